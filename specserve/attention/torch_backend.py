@@ -1,0 +1,80 @@
+"""Plain-torch attention over the paged KV cache: the reference every faster backend is tested against.
+
+It gathers each request's context into a padded [B, S, KvH, D] block and runs SDPA with a boolean
+mask built once per step. Simple and exact; the Triton backend replaces the gather on GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.backend import AttentionBackend, AttentionBatch, AttentionContext
+from specserve.engine.kv_cache import KVCache
+
+
+class TorchAttentionContext(AttentionContext):
+    def __init__(self, batch: AttentionBatch, kv: KVCache) -> None:
+        self.kv = kv
+        self.slot_mapping = batch.slot_mapping
+        self.key_slots = _context_slots(batch)  # [B, S]
+        self.query_index, query_valid = _query_layout(batch)  # [B, Q]
+        self.mask = _attention_mask(batch, query_valid)  # [B, 1, Q, S]
+        self.query_valid_flat = query_valid.reshape(-1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.kv.k[layer, self.slot_mapping] = k
+        self.kv.v[layer, self.slot_mapping] = v
+        keys = self.kv.k[layer][self.key_slots].transpose(1, 2)  # [B, KvH, S, D]
+        values = self.kv.v[layer][self.key_slots].transpose(1, 2)
+        queries = q[self.query_index].transpose(1, 2)  # [B, H, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B*Q, H, D]
+        return out[self.query_valid_flat]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, batch: AttentionBatch, kv: KVCache) -> AttentionContext:
+        return TorchAttentionContext(batch, kv)
+
+
+def _context_slots(batch: AttentionBatch) -> torch.Tensor:
+    """KV slot of every context entry of every request, [B, max_seq_len] (padding reads slot 0)."""
+    index = torch.arange(batch.max_seq_len, device=batch.seq_lens.device)
+    pages = batch.page_table[:, index // batch.page_size]
+    slots = pages * batch.page_size + index % batch.page_size
+    return torch.where(index < batch.seq_lens[:, None], slots, torch.zeros_like(slots))
+
+
+def _query_layout(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat token index of each (request, query row), and which rows are real."""
+    rows = torch.arange(batch.max_query_len, device=batch.seq_lens.device)
+    query_lens = batch.query_start[1:] - batch.query_start[:-1]
+    valid = rows < query_lens[:, None]
+    index = torch.where(valid, batch.query_start[:-1, None] + rows, torch.zeros_like(rows))
+    return index, valid
+
+
+def _attention_mask(batch: AttentionBatch, query_valid: torch.Tensor) -> torch.Tensor:
+    device = batch.seq_lens.device
+    query_lens = batch.query_start[1:] - batch.query_start[:-1]
+    prefix_lens = batch.seq_lens - query_lens  # context entries before this step's tokens
+    rows = torch.arange(batch.max_query_len, device=device)
+    cols = torch.arange(batch.max_seq_len, device=device)
+    in_prefix = cols[None, None, :] < prefix_lens[:, None, None]
+    new_col = cols[None, None, :] - prefix_lens[:, None, None]  # index among new tokens
+    if batch.custom_mask is None:
+        among_new = (new_col >= 0) & (new_col <= rows[None, :, None])
+    else:
+        gathered = torch.gather(
+            batch.custom_mask,
+            2,
+            new_col.clamp(0, batch.max_query_len - 1).expand(-1, batch.max_query_len, -1),
+        )
+        among_new = (new_col >= 0) & (new_col < query_lens[:, None, None]) & gathered
+    mask = (in_prefix | among_new) & query_valid[:, :, None]
+    # Padding query rows see slot 0 only, so SDPA never normalises an empty row into NaN.
+    mask[:, :, 0] |= ~query_valid
+    return mask.unsqueeze(1)

@@ -1,0 +1,79 @@
+"""`specserve generate | pull`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, in this process")
+    gen.add_argument("--model", default="smollm2-135m-instruct", help="asset name, .gguf file or HF folder")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument("--json", action="store_true", help="print the full result (text, ids, meta) as JSON")
+
+    pull = sub.add_parser("pull", help="download named assets (models, data sets) into the cache")
+    pull.add_argument("names", nargs="*", help="asset names, e.g. smollm2-135m-instruct mt-bench sharegpt")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specserve import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        else:
+            out = llm.generate(args.prompt, params)[0]
+    except ValueError as err:
+        print(f"specserve generate: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "meta_info": out.meta,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(out.text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    from specserve.assets import main_pull
+
+    return main_pull(args.names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Engine settings as frozen dataclasses, validated in one place (`EngineConfig.__post_init__`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("torch",)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    page_size: int = 1
+    # Token slots in the pool; None sizes it from free GPU memory (or a CPU default).
+    max_total_tokens: int | None = None
+    enable_prefix_cache: bool = True
+    gpu_memory_fraction: float = 0.85
+
+    def validate(self) -> None:
+        _require(
+            isinstance(self.page_size, int) and self.page_size >= 1, "page_size", "must be an integer >= 1"
+        )
+        _require(
+            self.max_total_tokens is None
+            or (isinstance(self.max_total_tokens, int) and self.max_total_tokens >= 1),
+            "max_total_tokens",
+            "must be null or an integer >= 1",
+        )
+        _require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_running_requests: int = 64
+    # Token budget of one step: decode tokens plus prefill chunks.
+    max_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _require(self.max_batched_tokens >= 1, "max_batched_tokens", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `Engine` needs besides the loaded model."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    attention_backend: str = "torch"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
+        _require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            "must be 'auto', 'cpu' or 'cuda[:N]'",
+        )
+        _require(
+            self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be 'auto' or one of {list(DTYPES)}"
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be null or >= 1"
+        )
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {list(ATTENTION_BACKENDS)}",
+        )
+        self.cache.validate()
+        self.scheduler.validate()
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

@@ -1,0 +1,106 @@
+"""Incremental detokenisation and stop-string matching for streamed outputs.
+
+``IncrementalDetokenizer`` turns output token ids into text in O(1) tokenizer work per token with
+the prefix/read-offset technique: it decodes only a short window of recent ids, once without and
+once with the new ids, and emits the difference. Text is held back while the decoded window ends in
+U+FFFD (an incomplete multi-byte UTF-8 character, e.g. one emoji split over byte-level tokens) or
+while the new ids add no text yet; ``flush`` releases it at the end.
+
+The window starts at the last few prompt ids, so the output is decoded in context (a tokenizer that
+strips the leading space of a decode's first token does not strip it from the reply's first word).
+For byte-level BPE tokenizers (GPT-2, Llama-3, SmolLM2, Qwen) the concatenated output then equals
+``tokenizer.decode(output_ids)`` exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_PROMPT_CONTEXT = 5  # prompt ids decoded ahead of the output, for context
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        if self._decode(self._ids).endswith(_INCOMPLETE):
+            # A prompt ending mid-character would glue its bytes to the reply's first character;
+            # decode the reply on its own instead, like decode(output_ids) does.
+            self._ids = []
+        self._prefix_offset = 0  # window start: ids before it are final and need no re-decoding
+        self._read_offset = len(self._ids)  # ids before it have been emitted as text
+        self._text = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add output ids; returns the text they finalised ("" while a character is incomplete)."""
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+            return ""
+        return self._emit(full[len(prefix) :])
+
+    def flush(self) -> str:
+        """Releases any held-back text (at the end of the output, incomplete characters included)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        return self._emit(full[len(prefix) :])
+
+    @property
+    def text(self) -> str:
+        """The output text emitted so far (prompt excluded)."""
+        return self._text
+
+    def _emit(self, delta: str) -> str:
+        # The window now starts where the emitted text ended: everything before is settled.
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text += delta
+        return delta
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
+        )
+
+
+class StopMatcher:
+    """Finds stop strings in a growing text, scanning only its new tail."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(dict.fromkeys(s for s in stops if s))  # "" would match everywhere
+        self._max_len = max((len(s) for s in self._stops), default=0)
+
+    def find(self, text: str, start: int = 0) -> tuple[int, str] | None:
+        """The earliest stop occurrence whose last character is at index ``start`` or later.
+
+        Returns (index where the stop begins, the stop). Callers pass ``start = len(previous text)``
+        so each call scans only about ``max stop length`` characters plus the new text. Of stops
+        beginning at the same index the longest wins (it is the one that was being typed).
+        """
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            index = text.find(stop, max(0, start - len(stop) + 1))
+            if index < 0:
+                continue
+            if best is None or index < best[0] or (index == best[0] and len(stop) > len(best[1])):
+                best = (index, stop)
+        return best
+
+    def safe_len(self, text: str) -> int:
+        """Length of the prefix of ``text`` that may be streamed now.
+
+        Excludes a trailing part that is a proper prefix of some stop (it may still grow into one).
+        A stop already complete in ``text`` is the caller's business (``find``).
+        """
+        for held in range(min(self._max_len - 1, len(text)), 0, -1):
+            tail = text[-held:]
+            if any(len(stop) > held and stop.startswith(tail) for stop in self._stops):
+                return len(text) - held
+        return len(text)

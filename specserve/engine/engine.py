@@ -1,0 +1,298 @@
+"""The engine: `step()` = schedule → build inputs → forward → sample → postprocess → emit.
+
+Everything runs in the caller's thread; a server drives `step()` in a loop and feeds
+`add_request`/`abort` between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+import uuid
+from collections.abc import Sequence
+
+import torch
+
+from specserve.attention.backend import AttentionBackend
+from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.kv_manager import KVManager
+from specserve.engine.logprobs import LogprobRow, compute_logprobs
+from specserve.engine.output import make_output
+from specserve.engine.request import LogprobRecord, Request
+from specserve.engine.sampler import SamplingBatch, SamplingRow, sample
+from specserve.engine.scheduler import ScheduledItem, Scheduler
+from specserve.engine.step_input import StepInput, build_step_input
+from specserve.engine.text import TextState
+from specserve.model.loader import LoadedModel, load_model
+from specserve.types import RequestOutput, SamplingParams
+
+CPU_DEFAULT_TOKENS = 65536  # the CPU pool is allocated lazily, so a generous default costs little
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device, self.dtype = config.torch_device(), config.torch_dtype()
+        self.loaded = loaded or load_model(config.model, self.device, self.dtype)
+        weight = self.loaded.model.lm_head.weight
+        if weight.device.type != self.device.type or weight.dtype != self.dtype:
+            raise ValueError(
+                f"model: the shared model lives on {weight.device} in {weight.dtype}, not "
+                f"{self.device} in {self.dtype}"
+            )
+        self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or self.arch.max_position, self.arch.max_position)
+        page_size = config.cache.page_size
+        num_pages = self._num_pages()
+        self.kv_cache = KVCache.allocate(self.arch, num_pages, page_size, self.dtype, self.device)
+        self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.backend: AttentionBackend = TorchAttentionBackend()
+        self._requests: dict[str, Request] = {}
+        self._texts: dict[str, TextState] = {}
+        self._pending: list[RequestOutput] = []
+        self._rng = random.Random(config.seed)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request; raises ValueError naming the offending field."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        self._validate(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        eos = frozenset(self.loaded.eos_token_ids)
+        req = Request(request_id, prompt_ids, params, seed, eos)
+        self._requests[request_id] = req
+        self._texts[request_id] = TextState(
+            self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+        )
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.remove(req)
+        req.finish({"type": "abort", "message": "aborted"})
+        self._pending.append(self._emit(req, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        items = self.scheduler.schedule()
+        if not items:
+            return outputs
+        inp = build_step_input(items, self.kv.page_size, self.device)
+        ctx = self.backend.prepare(inp.attention, self.kv_cache)
+        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        logits = self.model.compute_logits(hidden[inp.logit_rows])
+        sampled = self._sample(items, inp, logits)
+        records = self._logprobs(items, inp, logits, sampled)
+        tokens = dict(zip(inp.sample_items, sampled.tolist(), strict=True))
+        for index, item in enumerate(items):
+            out = self._postprocess(item, tokens.get(index), records.get(index))
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def flush_cache(self) -> bool:
+        self.kv.flush()
+        return True
+
+    def check_kv_accounting(self) -> None:
+        """Invariant 4: with nothing running, no page is referenced; after a flush all pages are free."""
+        idle = not self.scheduler.running
+        self.kv.check(idle=idle)
+        if idle:
+            self.kv.flush()
+            assert self.kv.pool.num_free == self.kv.pool.capacity, "pages leaked past a cache flush"
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("input_ids: must be a list of integers")
+        return list(prompt)
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.arch.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt: must not be empty")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"input_ids: every token id must be in [0, {vocab})")
+        for name in ("stop_token_ids", "token_ids_logprob"):
+            if any(t >= vocab for t in getattr(params, name) or ()):
+                raise ValueError(f"{name}: every token id must be in [0, {vocab})")
+        if params.top_logprobs_num > vocab:
+            raise ValueError(f"top_logprobs_num: must be <= the vocabulary size {vocab}")
+        if params.logprob_start_len > len(prompt_ids):
+            raise ValueError(f"logprob_start_len: must be <= the prompt length {len(prompt_ids)}")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                f"exceeds the context length {self.max_model_len}"
+            )
+        if total > self.kv.capacity_tokens:
+            raise ValueError(
+                f"max_new_tokens: prompt + max_new_tokens ({total}) exceeds the KV cache ({self.kv.capacity_tokens} tokens)"
+            )
+
+    def _num_pages(self) -> int:
+        cache = self.config.cache
+        tokens = cache.max_total_tokens
+        if tokens is None:
+            tokens = self._gpu_budget_tokens() if self.device.type == "cuda" else CPU_DEFAULT_TOKENS
+        return -(-tokens // cache.page_size) + 1  # + the dummy page
+
+    def _gpu_budget_tokens(self) -> int:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        per_token = KVCache.bytes_per_token(self.arch, self.dtype)
+        return int(free * self.config.cache.gpu_memory_fraction) // per_token
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _sample(self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor) -> torch.Tensor:
+        if not inp.sample_items:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        reqs = [items[i].request for i in inp.sample_items]
+        rows = [_sampling_row(r) for r in reqs]
+        batch = SamplingBatch.build(rows, self.device)
+        return sample(logits[inp.sample_logit_rows], batch, self._banned(reqs))
+
+    def _banned(self, reqs: list[Request]) -> torch.Tensor | None:
+        """min_new_tokens: stop ids and EOS cannot be drawn until enough tokens exist."""
+        bans = [(i, _stop_ids(r)) for i, r in enumerate(reqs) if r.num_output < r.params.min_new_tokens]
+        bans = [(i, ids) for i, ids in bans if ids]
+        if not bans:
+            return None
+        banned = torch.zeros(len(reqs), self.arch.vocab_size, dtype=torch.bool)
+        for i, ids in bans:
+            banned[i, list(ids)] = True
+        return banned.to(self.device, non_blocking=True)
+
+    def _logprobs(
+        self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor, sampled: torch.Tensor
+    ) -> dict[int, tuple[list[LogprobRecord], LogprobRecord | None]]:
+        """Per item index: input-logprob records of this chunk, and the sampled token's record."""
+        rows: list[LogprobRow] = []
+        targets: list[torch.Tensor] = []
+        owners: list[tuple[int, str]] = []
+        for spec in inp.input_logprobs:
+            req = items[spec.item].request
+            first = spec.first_token
+            ids = req.token_ids[first : first + len(spec.logit_rows)]
+            rows.extend(
+                LogprobRow(r, req.params.top_logprobs_num, req.params.token_ids_logprob)
+                for r in spec.logit_rows
+            )
+            targets.append(torch.tensor(ids, dtype=torch.long))
+            owners.extend((spec.item, "input") for _ in spec.logit_rows)
+        for j, index in enumerate(inp.sample_items):
+            req = items[index].request
+            if req.params.return_logprob:
+                row = inp.sample_rows[j]
+                rows.append(LogprobRow(row, req.params.top_logprobs_num, req.params.token_ids_logprob))
+                targets.append(sampled[j : j + 1])
+                owners.append((index, "output"))
+        if not rows:
+            return {}
+        target = torch.cat([t.to(self.device) for t in targets])
+        result: dict[int, tuple[list[LogprobRecord], LogprobRecord | None]] = {}
+        for (index, side), record in zip(owners, compute_logprobs(logits, rows, target), strict=True):
+            inputs, output = result.get(index, ([], None))
+            if side == "input":
+                inputs.append(record)
+            else:
+                output = record
+            result[index] = (inputs, output)
+        return result
+
+    def _postprocess(
+        self,
+        item: ScheduledItem,
+        token: int | None,
+        records: tuple[list[LogprobRecord], LogprobRecord | None] | None,
+    ) -> RequestOutput | None:
+        req = item.request
+        req.num_computed = item.end
+        self.kv.commit(req)
+        if records is not None:
+            req.input_logprobs.extend(records[0])
+            if records[1] is not None:
+                req.output_logprobs.append(records[1])
+        if item.completes and req.prefill_only:
+            self._finish(req, {"type": "length", "length": 0})
+            return self._emit(req, [])
+        if token is None:
+            return None
+        req.token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason = self._finish_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        return self._emit(req, [token])
+
+    def _finish_reason(self, req: Request, token: int) -> dict | None:
+        params = req.params
+        can_stop = req.num_output >= params.min_new_tokens
+        stop_string = self._texts[req.request_id].push(token, check_stops=can_stop)
+        if can_stop:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids):
+                return {"type": "stop", "matched": token}
+            if stop_string is not None:
+                return {"type": "stop", "matched": stop_string}
+        if req.num_output >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        return None
+
+    def _finish(self, req: Request, reason: dict) -> None:
+        self.scheduler.remove(req)
+        req.finish(reason)
+
+    def _emit(self, req: Request, delta_ids: list[int]) -> RequestOutput:
+        text = self._texts[req.request_id]
+        if req.finished:
+            text.finish()
+        out = make_output(req, text, self.token_text, delta_ids)
+        if req.finished:
+            del self._requests[req.request_id], self._texts[req.request_id]
+        return out
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _sampling_row(req: Request) -> SamplingRow:
+    p = req.params
+    return SamplingRow(
+        temperature=float(p.temperature),
+        top_k=p.top_k if p.top_k > 0 else 0,
+        top_p=float(p.top_p),
+        min_p=float(p.min_p),
+        seed=req.seed,
+        counter=req.num_output,
+    )
+
+
+def _stop_ids(req: Request) -> frozenset[int]:
+    ids = set(req.params.stop_token_ids)
+    if not req.params.ignore_eos:
+        ids |= req.eos_token_ids
+    return frozenset(ids)

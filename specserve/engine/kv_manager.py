@@ -1,0 +1,70 @@
+"""Request-level KV bookkeeping: which pages a request holds, prefix reuse, and the accounting check."""
+
+from __future__ import annotations
+
+from specserve.engine.page_pool import OutOfPages, PagePool
+from specserve.engine.prefix_cache import ROOT, PrefixCache, page_digest
+from specserve.engine.request import Request
+
+
+class KVManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.prefix_cache = PrefixCache(self.pool, page_size) if enable_prefix_cache else None
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity * self.page_size
+
+    def usage(self) -> float:
+        """Share of pages held by running requests (cached-but-idle pages count as free)."""
+        return 1.0 - self.pool.num_available / self.pool.capacity
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_prefix(self, req: Request) -> None:
+        """Give a request with no KV the cached pages of its longest cached prefix."""
+        assert not req.pages and req.num_computed == 0
+        if self.prefix_cache is None:
+            return
+        pages, digests = self.prefix_cache.match(req.token_ids, req.max_prefix_match())
+        req.pages, req.page_digests = pages, digests
+        req.num_computed = len(pages) * self.page_size
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Make sure `req` holds pages for its first `num_tokens` tokens; False when the pool is short."""
+        missing = self.pages_for(num_tokens) - len(req.pages)
+        if missing <= 0:
+            return True
+        try:
+            req.pages.extend(self.pool.allocate(missing))
+        except OutOfPages:
+            return False
+        return True
+
+    def commit(self, req: Request) -> None:
+        """Offer the request's newly completed pages to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        ps = self.page_size
+        while (len(req.page_digests) + 1) * ps <= req.num_computed:
+            i = len(req.page_digests)
+            parent = req.page_digests[-1] if req.page_digests else ROOT
+            digest = page_digest(parent, req.token_ids[i * ps : (i + 1) * ps])
+            self.prefix_cache.insert(digest, req.pages[i])
+            req.page_digests.append(digest)
+
+    def free(self, req: Request) -> None:
+        # Last pages first, so the prefix cache evicts leaves before the prefixes they extend.
+        self.pool.release(reversed(req.pages))
+        req.pages, req.page_digests = [], []
+        req.num_computed = 0
+
+    def flush(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+
+    def check(self, *, idle: bool) -> None:
+        self.pool.check(idle=idle)

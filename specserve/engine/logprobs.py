@@ -1,0 +1,59 @@
+"""Logprobs of chosen rows: the target token's, the top-k, and caller-named ids, in one pass.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits, before
+temperature or filtering), so decoding and prefill-only scoring of one sequence agree exactly.
+All rows are computed together and copied to the host once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import LogprobRecord
+
+
+@dataclass(frozen=True)
+class LogprobRow:
+    row: int  # row of the logits tensor
+    top_k: int
+    token_ids: tuple[int, ...] | None
+
+
+def compute_logprobs(
+    logits: torch.Tensor, rows: Sequence[LogprobRow], targets: torch.Tensor
+) -> list[LogprobRecord]:
+    """`targets[i]` is the token whose logprob row `rows[i]` reports."""
+    if not rows:
+        return []
+    index = torch.tensor([r.row for r in rows], device=logits.device)
+    logprobs = torch.log_softmax(logits[index], dim=-1)
+    own = logprobs.gather(1, targets.view(-1, 1)).squeeze(1)
+    k = max(r.top_k for r in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen = _chosen_ids(logprobs, rows)
+    # One host copy for the whole step.
+    host_targets, host_own, host_chosen = targets.tolist(), own.tolist(), chosen.tolist()
+    host_top = (top_values.tolist(), top_ids.tolist()) if k else None
+    records: list[LogprobRecord] = []
+    offset = 0
+    for i, r in enumerate(rows):
+        top = list(zip(host_top[1][i][: r.top_k], host_top[0][i][: r.top_k], strict=True)) if host_top else []
+        ids = r.token_ids or ()
+        values = host_chosen[offset : offset + len(ids)]
+        offset += len(ids)
+        records.append(LogprobRecord(host_targets[i], host_own[i], top, list(zip(ids, values, strict=True))))
+    return records
+
+
+def _chosen_ids(logprobs: torch.Tensor, rows: Sequence[LogprobRow]) -> torch.Tensor:
+    """Flat logprobs of every row's named ids (validated against the vocabulary at admission)."""
+    row_index = [i for i, r in enumerate(rows) for _ in r.token_ids or ()]
+    col_index = [t for r in rows for t in r.token_ids or ()]
+    device = logprobs.device
+    return logprobs[
+        torch.tensor(row_index, dtype=torch.long, device=device),
+        torch.tensor(col_index, dtype=torch.long, device=device),
+    ]

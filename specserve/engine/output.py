@@ -1,0 +1,56 @@
+"""Build what a caller sees of a request: text, ids, finish reason and the native `meta_info`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specserve.engine.request import LogprobRecord, Request
+from specserve.engine.text import TextState
+from specserve.types import RequestOutput
+
+TokenText = Callable[[int], str]
+
+
+def make_output(req: Request, text: TextState, token_text: TokenText, delta_ids: list[int]) -> RequestOutput:
+    reason = req.finish_reason
+    return RequestOutput(
+        request_id=req.request_id,
+        text=text.text,
+        token_ids=req.output_ids,
+        finished=req.finished,
+        finish_reason=reason["type"] if reason else None,
+        meta=_meta(req, token_text),
+        delta_text=text.take_delta(),
+        delta_token_ids=delta_ids,
+    )
+
+
+def _meta(req: Request, token_text: TokenText) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": req.request_id,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": req.prompt_len,
+        "completion_tokens": req.num_output,
+        "cached_tokens": req.cached_tokens,
+    }
+    if req.finished and req.finish_time is not None:
+        meta["e2e_latency"] = req.finish_time - req.arrival_time
+    if req.params.return_logprob and req.finished:
+        meta.update(_logprob_meta("input", req.input_logprobs, req, token_text))
+        meta.update(_logprob_meta("output", req.output_logprobs, req, token_text))
+    return meta
+
+
+def _logprob_meta(
+    side: str, records: list[LogprobRecord], req: Request, token_text: TokenText
+) -> dict[str, Any]:
+    def entry(logprob: float | None, token_id: int) -> list:
+        return [logprob, token_id, token_text(token_id)]
+
+    fields: dict[str, Any] = {f"{side}_token_logprobs": [entry(r.logprob, r.token_id) for r in records]}
+    if req.params.top_logprobs_num > 0:
+        fields[f"{side}_top_logprobs"] = [[entry(lp, t) for t, lp in r.top or []] for r in records]
+    if req.params.token_ids_logprob is not None:
+        fields[f"{side}_token_ids_logprobs"] = [[entry(lp, t) for t, lp in r.chosen or []] for r in records]
+    return fields

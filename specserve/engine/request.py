@@ -1,0 +1,107 @@
+"""A request's mutable state inside the engine, from arrival to finish.
+
+`token_ids` holds the prompt followed by every generated token. `num_computed` counts the leading
+tokens whose KV sits in the cache; the rest are this request's work. A decode step has exactly one
+uncomputed token (the last sampled one); a retracted request has none computed and recomputes all.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.types import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class LogprobRecord:
+    """Logprob data for one position: the token's own, and optionally top-k and chosen ids."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]] | None = None
+    chosen: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    page_digests: list[bytes] = field(default_factory=list)  # digests of leading pages offered to the cache
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    finish_reason: dict[str, Any] | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_retractions: int = 0
+    input_logprobs: list[LogprobRecord] = field(default_factory=list)
+    output_logprobs: list[LogprobRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        if self.params.wants_input_logprobs and self.params.logprob_start_len == 0 and self.prompt_ids:
+            # The first prompt token has nothing before it to be predicted from.
+            self.input_logprobs.append(LogprobRecord(self.prompt_ids[0], None, [], []))
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.params.max_new_tokens == 0
+
+    @property
+    def next_input_logprob_index(self) -> int | None:
+        """Prompt index whose input logprob comes next, or None when none is (still) wanted."""
+        if not self.params.wants_input_logprobs:
+            return None
+        start = max(self.params.logprob_start_len, 1)
+        index = start + len(self.input_logprobs) - (1 if self.params.logprob_start_len == 0 else 0)
+        return index if index < self.prompt_len else None
+
+    def max_prefix_match(self) -> int:
+        """How many leading tokens may come from the prefix cache: at least one must be computed for its
+        logits, and input logprobs need the logits from the token before the first scored one."""
+        limit = len(self.token_ids) - 1
+        next_lp = self.next_input_logprob_index
+        if next_lp is not None:
+            limit = min(limit, next_lp - 1)
+        return max(limit, 0)
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()

@@ -1,0 +1,256 @@
+"""Batched token sampling: one fused pass per step, no host sync, reproducible per request.
+
+Semantics, per row (``filtered_probs_ref`` is the executable statement of them):
+
+1. Banned tokens (``banned[b, v]``, used for ``min_new_tokens``) get probability 0.
+2. ``temperature == 0`` is greedy: the argmax of the raw logits with banned tokens excluded, ties
+   going to the lowest id (``torch.argmax`` semantics). Its distribution is that one-hot.
+3. Otherwise ``p = softmax(logits / temperature)``, then
+   - top-k (``top_k > 0``) keeps the ``k`` most probable tokens;
+   - top-p (``top_p < 1``) renormalises what top-k kept and keeps the smallest prefix, in descending
+     probability, whose cumulative mass is ``>= top_p`` (always at least one token);
+   - min-p (``min_p > 0``) drops tokens whose probability is ``< min_p * p_max`` (of what is left);
+   - what survives is renormalised.
+   "Descending probability" is a stable order: equal probabilities keep ascending token ids, so
+   ties at a top-k or top-p boundary are resolved towards lower ids, identically on every device.
+
+Randomness: no ``torch.Generator``. Each draw uses uniforms ``u(seed, counter, token)`` from a
+counter-based integer hash evaluated on the device (``uniform_noise``), so a request's tokens depend
+only on its own seed and output position: not on batch composition, process or device (CPU and
+CUDA produce bit-identical noise; draws agree unless float rounding of the probabilities differs at
+an exact near-tie). A token is drawn by the exponential race ``argmax_v(p_v / E_v)`` with
+``E_v = -log(u_v)`` i.i.d. Exp(1): token ``v`` wins with probability exactly ``p_v`` (the same
+trick as Gumbel-max, without the double log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 (from Wellons' hash prospector, "lowbias32"): with 32-bit lanes every
+# product stays below 2**63, so int64 tensors never overflow (signed overflow is UB in C++ kernels).
+_MUL_A = 0x21F0AAAD
+_MUL_B = 0x735A2D97
+# Domain separators so that seed halves, counter and token id cannot cancel each other.
+_SALT_SEED = 0x3C6EF372
+_SALT_COUNTER = 0x1B873593
+_SALT_TOKEN = 0x5BD1E995
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """Host-side sampling parameters of one row of logits."""
+
+    temperature: float  # 0 => greedy (argmax)
+    top_k: int  # <= 0 => off
+    top_p: float  # 1.0 => off; in (0, 1]
+    min_p: float  # 0.0 => off; in [0, 1)
+    seed: int  # per-request seed, 0 <= seed < 2**63
+    counter: int  # index of the output token being sampled for that request
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Device tensors of a step's ``SamplingRow``s, plus host flags that let ``sample`` skip work."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    min_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    counter: torch.Tensor  # [B] int64
+    noise_key: torch.Tensor  # [B] int64: _row_key(seed, counter), folded on the host (saves ~30 launches)
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
+        """Two host->device copies (float fields, int fields); an empty ``rows`` gives an empty batch."""
+        device = torch.device(device)
+        floats = torch.tensor([[r.temperature, r.top_p, r.min_p] for r in rows], dtype=torch.float32)
+        ints = torch.tensor(
+            [[r.top_k, r.seed, r.counter, _row_key(r.seed, r.counter)] for r in rows], dtype=torch.int64
+        )
+        floats, ints = floats.reshape(-1, 3).T, ints.reshape(-1, 4).T
+        floats, ints = _to_device(floats.contiguous(), device), _to_device(ints.contiguous(), device)
+        sampled = [r for r in rows if r.temperature > 0]  # greedy rows ignore the filters
+        return cls(
+            temperature=floats[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            top_k=ints[0],
+            seed=ints[1],
+            counter=ints[2],
+            noise_key=ints[3],
+            all_greedy=not sampled,
+            any_top_k=any(r.top_k > 0 for r in sampled),
+            any_top_p=any(r.top_p < 1.0 for r in sampled),
+            any_min_p=any(r.min_p > 0.0 for r in sampled),
+        )
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return host
+    # Pinned memory makes the copy truly asynchronous; the caching host allocator keeps the buffer
+    # alive until the copy has run.
+    pinned = host.pin_memory() if device.type == "cuda" else host
+    return pinned.to(device, non_blocking=True)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row of ``logits`` [B, V]; returns [B] int64 on the logits' device.
+
+    Never synchronises with the host. Cost beyond the filters: one [B, V] integer hash (a handful of
+    int64 elementwise ops) plus a log and a divide in float64, once per sampled step; an all-greedy
+    batch skips all of it.
+    """
+    masked = _mask_banned(logits, banned)
+    if batch.all_greedy:
+        return masked.argmax(dim=-1)
+    probs = filtered_probs(logits, batch, banned)
+    u = _noise_from_key(batch.noise_key, logits.shape[-1])  # == uniform_noise(seed, counter, V)
+    # Exponential race: argmax p/E with E ~ Exp(1) picks v with probability p_v. Greedy rows have
+    # one-hot probs, so the race returns their argmax too; zero-probability tokens never win.
+    return (probs.double() / -torch.log(u)).argmax(dim=-1)
+
+
+def filtered_probs(
+    logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The distribution ``sample`` draws from, [B, V] float32 (one-hot for greedy rows).
+
+    Sorts only when some row uses top-k or top-p: min-p alone needs just the row maximum.
+    """
+    masked = _mask_banned(logits, banned)
+    greedy = batch.temperature <= 0
+    # Greedy rows get a dummy temperature here; their result is replaced by the one-hot below.
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = masked / temperature.unsqueeze(-1)
+    if batch.any_top_k or batch.any_top_p:
+        probs = _sorted_filter(scaled, batch)
+    else:
+        probs = torch.softmax(scaled, dim=-1)
+        if batch.any_min_p:
+            p_max = probs.amax(dim=-1, keepdim=True)
+            probs = probs * (probs >= batch.min_p.unsqueeze(-1) * p_max)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, masked.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(-1), one_hot, probs)
+
+
+def _mask_banned(logits: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    logits = logits.float()
+    return logits if banned is None else logits.masked_fill(banned, float("-inf"))
+
+
+def _sorted_filter(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """top-k, top-p and min-p in descending-probability order, scattered back to token order."""
+    vocab = scaled.shape[-1]
+    # Sorting logits orders probabilities too, and stable=True puts equal ones in ascending id order.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    p = torch.softmax(sorted_logits, dim=-1)
+    rank = torch.arange(vocab, device=scaled.device)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if batch.any_top_k:
+        k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)
+        keep &= rank < k.unsqueeze(-1)
+    if batch.any_top_p:
+        kept = p * keep
+        cum = kept.cumsum(dim=-1)
+        # Keep a token iff the mass strictly before it is < top_p (of the top-k mass): the smallest
+        # prefix reaching top_p. The shifted cumsum makes rank 0 always kept.
+        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        top_p = batch.top_p.unsqueeze(-1)
+        keep &= (before < top_p * cum[:, -1:]) | (top_p >= 1.0)
+    if batch.any_min_p:
+        # Ratio test, so it needs no renormalisation; p[:, 0] is the maximum and is always kept.
+        keep &= p >= batch.min_p.unsqueeze(-1) * p[:, :1]
+    kept = p * keep
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(kept).scatter_(-1, order, kept)
+
+
+def uniform_noise(
+    seed: torch.Tensor, counter: torch.Tensor, vocab_size: int, *, salt: int = 0
+) -> torch.Tensor:
+    """Uniforms in (0, 1) strictly, [B, vocab_size] float64, one per (seed, counter, token id).
+
+    A pure function of its integer inputs, evaluated with int64 tensor ops on ``seed``'s device,
+    every intermediate below 2**63. ``salt`` (0 <= salt < 2**32) selects an independent stream, e.g.
+    for the accept/reject uniforms of speculative sampling. Values are ``(h + 0.5) / 2**32`` for a
+    32-bit hash ``h``: exact in float64, never 0 or 1.
+    """
+    key = _row_key(seed.to(torch.int64), counter.to(torch.int64), salt)
+    return _noise_from_key(key, vocab_size)
+
+
+def _row_key(seed, counter, salt: int = 0):
+    """Fold (seed, counter, salt) into one 32-bit key; works on int64 tensors and on Python ints."""
+    key = _mix32(((seed >> 32) & _MASK32) ^ _SALT_SEED ^ (salt & _MASK32))
+    key = _mix32(key ^ (seed & _MASK32))
+    key = _mix32(key ^ ((counter >> 32) & _MASK32) ^ _SALT_COUNTER)
+    return _mix32(key ^ (counter & _MASK32))
+
+
+def _noise_from_key(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Hash each row key [B] with every token id: the [B, V] part of ``uniform_noise``."""
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
+    token_key = _mix32(tokens ^ _SALT_TOKEN)  # [V], shared by all rows
+    key = key.unsqueeze(-1)
+    h = _mix32(_mix32(key ^ token_key) ^ key)
+    return (h.double() + 0.5) * (1.0 / 2**32)
+
+
+def _mix32(x):
+    """A 32-bit avalanche mix (xorshift-multiply, lowbias32) of values < 2**32 (int64 tensor or int)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 15)
+
+
+def filtered_probs_ref(
+    logits: torch.Tensor, row: SamplingRow, banned: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain reference for one row: logits [V] (and optional banned [V] bool) -> probs [V] float64."""
+    x = logits.double().clone()
+    if banned is not None:
+        x[banned] = float("-inf")
+    vocab = x.shape[0]
+    if row.temperature <= 0:
+        out = torch.zeros(vocab, dtype=torch.float64)
+        out[int(torch.argmax(x))] = 1.0
+        return out
+    p = torch.softmax(x / row.temperature, dim=0).tolist()
+    values = x.tolist()
+    # Descending probability == descending logit; Python's sort is stable, so ties keep id order.
+    kept = sorted(range(vocab), key=lambda i: -values[i])
+    if row.top_k > 0:
+        kept = kept[: row.top_k]
+    if row.top_p < 1.0:
+        mass = sum(p[i] for i in kept)
+        prefix, cum = [], 0.0
+        for i in kept:
+            prefix.append(i)
+            cum += p[i] / mass
+            if cum >= row.top_p:
+                break
+        kept = prefix
+    if row.min_p > 0.0:
+        p_max = max(p[i] for i in kept)
+        kept = [i for i in kept if p[i] >= row.min_p * p_max]
+    out = torch.zeros(vocab, dtype=torch.float64)
+    for i in kept:
+        out[i] = p[i]
+    return out / out.sum()

@@ -1,0 +1,112 @@
+"""Turn a scheduled batch into the model's input tensors, built on the host and copied once.
+
+Besides ids, positions and the attention layout, it decides which token rows need logits: the last
+row of each request that completes its known tokens (to sample), and prompt rows whose next token's
+input logprob was asked for. Everything else skips the lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.backend import AttentionBatch
+from specserve.engine.scheduler import ScheduledItem
+
+
+@dataclass(frozen=True)
+class InputLogprobRows:
+    """Rows of the logits tensor that score prompt tokens `first_token ...` of one request."""
+
+    item: int
+    first_token: int
+    logit_rows: range
+
+
+@dataclass(frozen=True)
+class StepInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionBatch
+    logit_rows: torch.Tensor  # [R] token rows whose logits are computed
+    sample_items: tuple[int, ...]  # items that sample a token, in logits-row order
+    sample_rows: tuple[int, ...]  # rows of the logits tensor to sample from (host copy)
+    sample_logit_rows: torch.Tensor  # [S] the same, on the device
+    input_logprobs: tuple[InputLogprobRows, ...]
+
+
+def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.device) -> StepInput:
+    ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    logit_rows: list[int] = []
+    sample_items: list[int] = []
+    sample_logit_rows: list[int] = []
+    input_lp: list[InputLogprobRows] = []
+    for index, item in enumerate(items):
+        req, offset = item.request, len(ids)
+        ids.extend(req.token_ids[item.start : item.end])
+        ctx = np.arange(item.start, item.end, dtype=np.int64)
+        positions.append(ctx)
+        pages = np.asarray(req.pages, dtype=np.int64)
+        slots.append(pages[ctx // page_size] * page_size + ctx % page_size)
+        rows = _input_logprob_rows(item)
+        if rows is not None:
+            first_token, ctx_rows = rows
+            input_lp.append(
+                InputLogprobRows(index, first_token, range(len(logit_rows), len(logit_rows) + len(ctx_rows)))
+            )
+            logit_rows.extend(offset + r - item.start for r in ctx_rows)
+        if item.completes and not req.prefill_only:
+            sample_items.append(index)
+            sample_logit_rows.append(len(logit_rows))
+            logit_rows.append(offset + item.num_tokens - 1)
+    return StepInput(
+        input_ids=_to(ids, device),
+        positions=_to(np.concatenate(positions), device),
+        attention=_attention_batch(items, np.concatenate(slots), page_size, device),
+        logit_rows=_to(logit_rows, device),
+        sample_items=tuple(sample_items),
+        sample_rows=tuple(sample_logit_rows),
+        sample_logit_rows=_to(sample_logit_rows, device),
+        input_logprobs=tuple(input_lp),
+    )
+
+
+def _input_logprob_rows(item: ScheduledItem) -> tuple[int, range] | None:
+    """Context rows p in this chunk whose logits score prompt token p + 1 (still unrecorded)."""
+    next_token = item.request.next_input_logprob_index
+    if next_token is None:
+        return None
+    first_row = max(item.start, next_token - 1)
+    last_row = min(item.end, item.request.prompt_len - 1)
+    if first_row >= last_row:
+        return None
+    return first_row + 1, range(first_row, last_row)
+
+
+def _attention_batch(
+    items: list[ScheduledItem], slot_mapping: np.ndarray, page_size: int, device: torch.device
+) -> AttentionBatch:
+    query_lens = [item.num_tokens for item in items]
+    seq_lens = [item.end for item in items]
+    max_pages = max(-(-s // page_size) for s in seq_lens)
+    table = np.zeros((len(items), max_pages), dtype=np.int64)
+    for row, item in enumerate(items):
+        pages = item.request.pages[: -(-item.end // page_size)]
+        table[row, : len(pages)] = pages
+    return AttentionBatch(
+        query_start=_to(np.concatenate([[0], np.cumsum(query_lens)]), device),
+        seq_lens=_to(seq_lens, device),
+        slot_mapping=_to(slot_mapping, device),
+        page_table=_to(table, device),
+        page_size=page_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _to(values, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device, non_blocking=True)

@@ -1,0 +1,137 @@
+"""The offline Python API: `LLM(...).generate(...)` and `.chat(...)`, driving one engine in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.engine.engine import Engine
+from specserve.model.loader import LoadedModel
+from specserve.types import RequestOutput, SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """A model served in this process.
+
+    `model` is an asset name (default `smollm2-135m-instruct`), a `.gguf` file or an HF folder, or a
+    `LoadedModel` another LLM already holds (engines then share the weights).
+    `device`/`dtype` default to the GPU in bf16 when there is one, else the CPU in fp32.
+    """
+
+    def __init__(
+        self,
+        model: str | LoadedModel = "smollm2-135m-instruct",
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        page_size: int = 1,
+        speculative: Any = None,
+        max_total_tokens: int | None = None,
+        max_running_requests: int = 64,
+        max_batched_tokens: int = 2048,
+        chunked_prefill: bool = True,
+        enable_prefix_cache: bool = True,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if speculative is not None:
+            raise ValueError("speculative: speculative decoding is not in this build yet; pass None")
+        loaded = model if isinstance(model, LoadedModel) else None
+        config = EngineConfig(
+            model=str(loaded.location.path) if loaded else model,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            cache=CacheConfig(
+                page_size=page_size,
+                max_total_tokens=max_total_tokens,
+                enable_prefix_cache=enable_prefix_cache,
+            ),
+            scheduler=SchedulerConfig(
+                max_running_requests=max_running_requests,
+                max_batched_tokens=max_batched_tokens,
+                chunked_prefill=chunked_prefill,
+            ),
+        )
+        self.engine = Engine(config, loaded)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion; outputs come back in prompt order."""
+        batch = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(batch))
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(batch, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+            return self._run(ids)
+        except BaseException:
+            for request_id in ids:  # leave no request (or KV page) behind
+                self.engine.abort(request_id)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template (with the assistant prompt) to one or several conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._chat_ids(c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _chat_ids(self, conversation: Sequence[Message]) -> list[int]:
+        if not isinstance(conversation, Sequence) or not all(isinstance(m, dict) for m in conversation):
+            raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
+        ids = self.tokenizer.apply_chat_template(
+            list(conversation), tokenize=True, add_generation_prompt=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"engine went idle with {len(ids) - len(done)} requests unfinished")
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts: must be a string, a list of token ids, or a non-empty list of those")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]
+    for p in prompts:
+        if not isinstance(p, str | Sequence):
+            raise ValueError("prompts: every prompt must be a string or a list of token ids")
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params: give one SamplingParams or a list of {n}")
+    return params
