@@ -5,6 +5,10 @@ plain-torch ``*_ref`` it is tested against (on CPU under ``TRITON_INTERPRET=1``)
 """
 
 if __name__ == "kernels":
-    # Reached only when the repository root is on sys.path: `kernels` is a different PyPI package
-    # (transformers probes for it), so refuse to stand in for it.
-    raise ImportError("this folder is specserve's Triton kernels; import it as `specserve_kernels`")
+    # Reached only when the repository root is on sys.path (`python -m ...` from the checkout, or
+    # PYTHONPATH): `kernels` is a different PyPI package that transformers probes for, and passing
+    # for it would break transformers in obscure ways. Fail here, where the cause is plain.
+    raise ImportError(
+        "the specserve checkout is on sys.path, so its kernels/ folder shadows the PyPI package `kernels`; "
+        "run the installed `specserve` / `pytest` commands (or `python -P`) instead"
+    )

@@ -1,4 +1,4 @@
-"""`specserve generate | pull`: the command line."""
+"""`specserve generate | bench | pull`: the command line."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--json", action="store_true", help="print the full result (text, ids, meta) as JSON")
+
+    from specserve.bench import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="offline throughput on MT-Bench prompts (JSON + table)"))
 
     pull = sub.add_parser("pull", help="download named assets (models, data sets) into the cache")
     pull.add_argument("names", nargs="*", help="asset names, e.g. smollm2-135m-instruct mt-bench sharegpt")
@@ -70,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "bench":
+        from specserve.bench import run
+
+        return run(args)
     from specserve.assets import main_pull
 
     return main_pull(args.names)

@@ -34,7 +34,7 @@ def last_logits(engine: Engine, prompts: Sequence[Sequence[int]]) -> torch.Tenso
 
 def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by HF transformers `generate` (stops at EOS like the engine does)."""
-    ids = torch.tensor([list(prompt)])
+    ids = torch.tensor([list(prompt)], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -49,7 +49,7 @@ def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
 
 def hf_last_logits(model, prompt: Sequence[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([list(prompt)])).logits[0, -1].float()
+        return model(torch.tensor([list(prompt)], device=model.device)).logits[0, -1].float()
 
 
 def max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

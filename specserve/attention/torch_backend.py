@@ -20,7 +20,7 @@ class TorchAttentionContext(AttentionContext):
         self.key_slots = _context_slots(batch)  # [B, S]
         self.query_index, query_valid = _query_layout(batch)  # [B, Q]
         self.mask = _attention_mask(batch, query_valid)  # [B, 1, Q, S]
-        self.query_valid_flat = query_valid.reshape(-1)
+        self.output_rows = _output_rows(batch)  # [T] row of each token in the padded [B*Q] output
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.kv.k[layer, self.slot_mapping] = k
@@ -30,7 +30,7 @@ class TorchAttentionContext(AttentionContext):
         queries = q[self.query_index].transpose(1, 2)  # [B, H, Q, D]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B*Q, H, D]
-        return out[self.query_valid_flat]
+        return out.index_select(0, self.output_rows)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -55,6 +55,18 @@ def _query_layout(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
     valid = rows < query_lens[:, None]
     index = torch.where(valid, batch.query_start[:-1, None] + rows, torch.zeros_like(rows))
     return index, valid
+
+
+def _output_rows(batch: AttentionBatch) -> torch.Tensor:
+    """Index into the padded [B * max_query_len] output for every real token (no host sync: T is known)."""
+    total = int(batch.slot_mapping.shape[0])
+    device = batch.seq_lens.device
+    query_lens = batch.query_start[1:] - batch.query_start[:-1]
+    owner = torch.repeat_interleave(
+        torch.arange(batch.batch_size, device=device), query_lens, output_size=total
+    )
+    within = torch.arange(total, device=device) - batch.query_start[owner]
+    return owner * batch.max_query_len + within
 
 
 def _attention_mask(batch: AttentionBatch, query_valid: torch.Tensor) -> torch.Tensor:

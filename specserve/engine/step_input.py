@@ -63,14 +63,36 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
             sample_items.append(index)
             sample_logit_rows.append(len(logit_rows))
             logit_rows.append(offset + item.num_tokens - 1)
+    query_lens = [item.num_tokens for item in items]
+    seq_lens = [item.end for item in items]
+    host = [
+        ids,
+        np.concatenate(positions),
+        logit_rows,
+        sample_logit_rows,
+        np.concatenate([[0], np.cumsum(query_lens)]),
+        seq_lens,
+        np.concatenate(slots),
+        _page_table(items, seq_lens, page_size),
+    ]
+    input_ids, pos, rows, sample_rows, query_start, seq_lens_t, slot_mapping, table = _to_device(host, device)
+    attention = AttentionBatch(
+        query_start=query_start,
+        seq_lens=seq_lens_t,
+        slot_mapping=slot_mapping,
+        page_table=table,
+        page_size=page_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
     return StepInput(
-        input_ids=_to(ids, device),
-        positions=_to(np.concatenate(positions), device),
-        attention=_attention_batch(items, np.concatenate(slots), page_size, device),
-        logit_rows=_to(logit_rows, device),
+        input_ids=input_ids,
+        positions=pos,
+        attention=attention,
+        logit_rows=rows,
         sample_items=tuple(sample_items),
         sample_rows=tuple(sample_logit_rows),
-        sample_logit_rows=_to(sample_logit_rows, device),
+        sample_logit_rows=sample_rows,
         input_logprobs=tuple(input_lp),
     )
 
@@ -87,26 +109,24 @@ def _input_logprob_rows(item: ScheduledItem) -> tuple[int, range] | None:
     return first_row + 1, range(first_row, last_row)
 
 
-def _attention_batch(
-    items: list[ScheduledItem], slot_mapping: np.ndarray, page_size: int, device: torch.device
-) -> AttentionBatch:
-    query_lens = [item.num_tokens for item in items]
-    seq_lens = [item.end for item in items]
+def _page_table(items: list[ScheduledItem], seq_lens: list[int], page_size: int) -> np.ndarray:
     max_pages = max(-(-s // page_size) for s in seq_lens)
     table = np.zeros((len(items), max_pages), dtype=np.int64)
-    for row, item in enumerate(items):
-        pages = item.request.pages[: -(-item.end // page_size)]
+    for row, (item, seq_len) in enumerate(zip(items, seq_lens, strict=True)):
+        pages = item.request.pages[: -(-seq_len // page_size)]
         table[row, : len(pages)] = pages
-    return AttentionBatch(
-        query_start=_to(np.concatenate([[0], np.cumsum(query_lens)]), device),
-        seq_lens=_to(seq_lens, device),
-        slot_mapping=_to(slot_mapping, device),
-        page_table=_to(table, device),
-        page_size=page_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    return table
 
 
-def _to(values, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(device, non_blocking=True)
+def _to_device(arrays: list, device: torch.device) -> list[torch.Tensor]:
+    """One host-to-device copy (from pinned memory on GPU) for every int64 input of the step."""
+    flat = [np.asarray(a, dtype=np.int64) for a in arrays]
+    host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in flat]))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    buffer = host.to(device, non_blocking=True)
+    out, offset = [], 0
+    for a in flat:
+        out.append(buffer[offset : offset + a.size].view(a.shape))
+        offset += a.size
+    return out

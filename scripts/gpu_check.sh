@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (see the device tool's README): install the carried wheels (.whl/), put the
+# staged model and the carried MT-Bench file where `specserve.assets.pull` looks, then run the GPU
+# tests and `specserve bench` beside HF transformers. Logs and JSON land in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/specserve-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Install by copying (the package maps kernels/ to specserve_kernels); the checkout itself must stay off
+# sys.path, hence `python3 -P` below, or its kernels/ would shadow the PyPI package transformers probes for.
+rm -rf /tmp/site/specserve /tmp/site/specserve_kernels
+cp -r specserve /tmp/site/specserve && cp -r kernels /tmp/site/specserve_kernels
+export PYTHONPATH=/tmp/site SPECSERVE_CACHE=$HOME/spcache SPECSERVE_REPORT_DIR=$OUT PYTHONUNBUFFERED=1
+mkdir -p "$SPECSERVE_CACHE/assets/smollm2-135m-instruct" "$SPECSERVE_CACHE/assets/mt-bench"
+cp ~/staged/SmolLM2-135M-Instruct.Q4_1.gguf "$SPECSERVE_CACHE/assets/smollm2-135m-instruct/"
+cp .devcarry/question.jsonl "$SPECSERVE_CACHE/assets/mt-bench/"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+[ -n "${PROFILE:-}" ] && python3 -P .devcarry/profile_step.py 2>&1 | tee "$OUT/profile.log"
+python3 -P -m pytest -m gpu -s -q -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log"
+[ -z "${SKIP_BENCH:-}" ] && python3 -P -m specserve.cli bench --batch-sizes "${BENCH_BATCHES:-1,64}" --max-new-tokens 256 --hf \
+  --out "$OUT/bench.json" 2>&1 | grep -v "it/s" | tee "$OUT/bench.log"

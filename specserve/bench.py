@@ -1,0 +1,157 @@
+"""`specserve bench`: offline output throughput on MT-Bench prompts, beside HF transformers `generate`.
+
+Every batch size runs the same chat prompts through our engine and, in the same process on the same
+device, through HF `generate` (plain greedy, and prompt lookup at batch 1), so each figure is also a
+ratio. Greedy, a fixed number of new tokens (EOS ignored), wall time from submission to the last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    system: str
+    batch_size: int
+    new_tokens: int
+    seconds: float
+    tokens_per_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="asset name, .gguf file or HF folder"
+    )
+    parser.add_argument("--batch-sizes", default="1,64", help="comma-separated batch sizes")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    parser.add_argument(
+        "--hf", action="store_true", help="also time HF transformers generate in this process"
+    )
+    parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve import LLM
+    from specserve.assets import dataset_path
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=max(batch_sizes),
+        max_batched_tokens=8192,
+    )
+    questions = [
+        json.loads(line)["turns"][0] for line in dataset_path("mt-bench").read_text().splitlines() if line
+    ]
+    prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions]
+    hf = _load_hf(llm) if args.hf else None
+    rows: list[BenchRow] = []
+    _time_engine(llm, prompts[:2], 8)  # warm-up
+    for b in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        rows.append(_row("specserve", b, args.max_new_tokens, _time_engine(llm, batch, args.max_new_tokens)))
+        if hf is not None:
+            rows.append(
+                _row("hf-generate", b, args.max_new_tokens, _time_hf(hf, llm, batch, args.max_new_tokens))
+            )
+            if b == 1:
+                seconds = _time_hf(hf, llm, batch, args.max_new_tokens, prompt_lookup=10)
+                rows.append(_row("hf-generate-prompt-lookup", b, args.max_new_tokens, seconds))
+    report = {
+        "model": args.model,
+        "device": str(llm.engine.device),
+        "dtype": str(llm.engine.dtype),
+        "gpu": torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else None,
+        "rows": [asdict(r) for r in rows],
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    _print_table(rows)
+    return 0
+
+
+def _row(system: str, batch: int, new_tokens: int, seconds: float) -> BenchRow:
+    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_engine(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.engine.flush_cache()  # no prefix reuse between runs
+    _sync(llm.engine.device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync(llm.engine.device)
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return time.perf_counter() - start
+
+
+def _load_hf(llm):
+    from transformers import AutoModelForCausalLM
+
+    location = llm.engine.loaded.location
+    if location.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(
+            location.path.parent, gguf_file=location.path.name, dtype=llm.engine.dtype
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(location.path, dtype=llm.engine.dtype)
+    return model.to(llm.engine.device).eval()
+
+
+def _time_hf(
+    model, llm, prompts: list[list[int]], new_tokens: int, prompt_lookup: int | None = None
+) -> float:
+    pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=llm.engine.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=llm.engine.device)
+    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    _sync(llm.engine.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+            **extra,
+        )
+    _sync(llm.engine.device)
+    assert out.shape[1] == width + new_tokens
+    return time.perf_counter() - start
+
+
+def _print_table(rows: list[BenchRow]) -> None:
+    ours = {r.batch_size: r.tokens_per_s for r in rows if r.system == "specserve"}
+    print(f"{'system':<28}{'batch':>6}{'new tok':>9}{'seconds':>10}{'tok/s':>11}{'ours / this':>13}")
+    for r in rows:
+        ratio = ours[r.batch_size] / r.tokens_per_s
+        print(
+            f"{r.system:<28}{r.batch_size:>6}{r.new_tokens:>9}{r.seconds:>10.2f}{r.tokens_per_s:>11.1f}{ratio:>13.2f}"
+        )

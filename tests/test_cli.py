@@ -1,0 +1,92 @@
+"""The command line, in-process: generate (text and JSON), pull errors, and bench on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.cli import main
+from specserve.model.tokenizer import load_tokenizer
+
+from tiny_models import save_tiny_llama3
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(smollm2_gguf, tmp_path_factory):
+    return save_tiny_llama3(tmp_path_factory.mktemp("tiny") / "model", load_tokenizer(smollm2_gguf))
+
+
+def test_generate_json(tiny_folder, capsys):
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_folder),
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "5",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+    assert result["meta_info"]["completion_tokens"] == 5
+
+
+def test_generate_reports_bad_arguments(tiny_folder, capsys):
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_folder),
+            "--prompt",
+            "Hello",
+            "--temperature",
+            "-1",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_pull_unknown_asset_fails_cleanly(capsys):
+    assert main(["pull", "no-such-asset"]) == 1
+    assert "no-such-asset" in capsys.readouterr().err
+
+
+def test_bench_writes_json_and_table(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(tiny_folder),
+            "--batch-sizes",
+            "1,3",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--hf",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    systems = {(r["system"], r["batch_size"]) for r in report["rows"]}
+    assert {
+        ("specserve", 1),
+        ("specserve", 3),
+        ("hf-generate", 3),
+        ("hf-generate-prompt-lookup", 1),
+    } <= systems
+    assert all(r["tokens_per_s"] > 0 for r in report["rows"])
+    assert "tok/s" in capsys.readouterr().out

@@ -1,0 +1,89 @@
+"""On a GPU: parity with HF transformers in fp32 (exact) and bf16 (figures reported), same GGUF.
+
+Figures go to stdout and, when $SPECSERVE_REPORT_DIR is set, to gpu_parity.json there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+
+from engine_utils import hf_greedy, hf_last_logits, last_logits, max_rel_error
+
+pytestmark = pytest.mark.gpu
+NEW_TOKENS = 64
+
+
+def _pair(gguf: Path, dtype: torch.dtype):
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    llm = LLM(str(gguf), device="cuda", dtype=name, max_total_tokens=16384)
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).cuda().eval()
+    return llm, ref
+
+
+def _prompts(llm, questions):
+    return [llm._chat_ids([{"role": "user", "content": q}]) for q in questions[:8]]
+
+
+def _report(name: str, figures: dict) -> None:
+    print(f"\n{name}: {json.dumps(figures)}")
+    folder = os.environ.get("SPECSERVE_REPORT_DIR")
+    if folder:
+        path = Path(folder) / "gpu_parity.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = figures
+        path.write_text(json.dumps(data, indent=2))
+
+
+def _compare(llm, ref, prompts) -> dict:
+    ours = last_logits(llm.engine, prompts)
+    refs = [hf_last_logits(ref, p) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0))
+    matches, prefix = 0, []
+    for prompt, out in zip(prompts, outs, strict=True):
+        theirs = hf_greedy(ref, prompt, NEW_TOKENS)
+        matches += out.token_ids == theirs
+        common = next(
+            (i for i, (a, b) in enumerate(zip(out.token_ids, theirs, strict=False)) if a != b),
+            min(len(out.token_ids), len(theirs)),
+        )
+        prefix.append(common)
+    return {
+        "prompts": len(prompts),
+        "greedy_identical_prompts": matches,
+        "greedy_match_rate": matches / len(prompts),
+        "mean_matching_prefix_tokens": sum(prefix) / len(prefix),
+        "max_abs_logit_diff": max(
+            (o.float().cpu() - r.float().cpu()).abs().max().item() for o, r in zip(ours, refs, strict=True)
+        ),
+        "max_rel_logit_err": max(
+            max_rel_error(o.float().cpu(), r.float().cpu()) for o, r in zip(ours, refs, strict=True)
+        ),
+        "first_token_agree": sum(
+            o.argmax().item() == r.argmax().item() for o, r in zip(ours, refs, strict=True)
+        ),
+    }
+
+
+def test_fp32_on_gpu_is_exact(smollm2_gguf, mtbench_questions):
+    llm, ref = _pair(smollm2_gguf, torch.float32)
+    figures = _compare(llm, ref, _prompts(llm, mtbench_questions))
+    _report("fp32", figures)
+    assert figures["max_rel_logit_err"] <= 1e-4
+    assert figures["greedy_match_rate"] == 1.0
+
+
+def test_bf16_parity_figures(smollm2_gguf, mtbench_questions):
+    llm, ref = _pair(smollm2_gguf, torch.bfloat16)
+    figures = _compare(llm, ref, _prompts(llm, mtbench_questions))
+    _report("bf16", figures)
+    # bf16 rounding differs between implementations; the next token must still agree almost always.
+    assert figures["first_token_agree"] >= figures["prompts"] - 1
+    assert figures["max_rel_logit_err"] < 0.05
