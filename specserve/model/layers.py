@@ -72,12 +72,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+class StackedLinear(nn.Linear):
+    """One matmul for several checkpoint projections that read the same input (q/k/v, gate/up).
+
+    `shards` names each checkpoint projection and its output width, in order.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = shards
+
+    def shard_rows(self, name: str) -> slice:
+        start = 0
+        for shard, width in self.shards.items():
+            if shard == name:
+                return slice(start, start + width)
+            start += width
+        raise KeyError(name)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.gate_up_proj = StackedLinear(
+            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=False
+        )
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)

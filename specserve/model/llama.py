@@ -13,7 +13,7 @@ from torch import nn
 
 from specserve.attention.backend import AttentionContext
 from specserve.model.arch import ModelArch
-from specserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from specserve.model.layers import RMSNorm, RotaryEmbedding, StackedLinear, SwiGLU
 
 
 class Attention(nn.Module):
@@ -21,19 +21,23 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        bias = arch.attention_bias
-        self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = StackedLinear(
+            arch.hidden_size,
+            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            bias=arch.attention_bias,
+        )
+        self.split = (q_size, kv_size, kv_size)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         out = ctx.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -92,24 +96,47 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, casting to each parameter's dtype; every parameter must be covered."""
+        """Copy HF-named tensors in (q/k/v and gate/up into their stacked matmuls), casting to each
+        parameter's dtype; every parameter row must be covered exactly once."""
         params = dict(self.named_parameters())
-        expected = set(params)
-        if self.arch.tie_word_embeddings:
-            expected.discard("lm_head.weight")
-        unknown = sorted(set(tensors) - set(params))
-        if unknown:
-            raise ValueError(f"checkpoint has tensors the model does not: {unknown[:5]}")
-        missing = sorted(expected - set(tensors))
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
+        filled: dict[str, int] = dict.fromkeys(params, 0)
         with torch.no_grad():
             for name, tensor in tensors.items():
                 if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                     continue
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}"
-                    )
-                param.copy_(tensor.to(param.dtype))
+                target, rows = self._destination(name, params)
+                if target.shape[1:] != tensor.shape[1:] or target[rows].shape[0] != tensor.shape[0]:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit the model")
+                target[rows].copy_(tensor.to(target.dtype))
+                filled[self._param_name(name)] += tensor.shape[0]
+        missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+        if self.arch.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
+
+    def _param_name(self, name: str) -> str:
+        for shard, stacked in _STACKED.items():
+            if f".{shard}." in name:
+                return name.replace(f".{shard}.", f".{stacked}.")
+        return name
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, slice]:
+        param_name = self._param_name(name)
+        if param_name not in params:
+            raise ValueError(f"checkpoint has a tensor the model does not: {name}")
+        if param_name == name:
+            return params[name], slice(None)
+        module = self.get_submodule(param_name.rsplit(".", 1)[0])
+        shard = next(s for s in _STACKED if f".{s}." in name)
+        return params[param_name], module.shard_rows(shard)
+
+
+# Checkpoint projection -> the stacked module that holds it.
+_STACKED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
