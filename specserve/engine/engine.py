@@ -19,9 +19,9 @@ from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.logprobs import LogprobRow, compute_logprobs
+from specserve.engine.logprobs import StepLogprobs, step_logprobs
 from specserve.engine.output import make_output
-from specserve.engine.request import LogprobRecord, Request
+from specserve.engine.request import Request
 from specserve.engine.sampler import SamplingBatch, SamplingRow, sample
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.step_input import StepInput, build_step_input
@@ -100,7 +100,7 @@ class Engine:
         hidden = self.model(inp.input_ids, inp.positions, ctx)
         logits = self.model.compute_logits(hidden[inp.logit_rows])
         sampled = self._sample(items, inp, logits)
-        records = self._logprobs(items, inp, logits, sampled)
+        records = step_logprobs(items, inp, logits, sampled)
         tokens = dict(zip(inp.sample_items, sampled.tolist(), strict=True))
         for index, item in enumerate(items):
             out = self._postprocess(item, tokens.get(index), records.get(index))
@@ -186,56 +186,19 @@ class Engine:
             banned[i, list(ids)] = True
         return banned.to(self.device, non_blocking=True)
 
-    def _logprobs(
-        self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor, sampled: torch.Tensor
-    ) -> dict[int, tuple[list[LogprobRecord], LogprobRecord | None]]:
-        """Per item index: input-logprob records of this chunk, and the sampled token's record."""
-        rows: list[LogprobRow] = []
-        targets: list[torch.Tensor] = []
-        owners: list[tuple[int, str]] = []
-        for spec in inp.input_logprobs:
-            req = items[spec.item].request
-            first = spec.first_token
-            ids = req.token_ids[first : first + len(spec.logit_rows)]
-            rows.extend(
-                LogprobRow(r, req.params.top_logprobs_num, req.params.token_ids_logprob)
-                for r in spec.logit_rows
-            )
-            targets.append(torch.tensor(ids, dtype=torch.long))
-            owners.extend((spec.item, "input") for _ in spec.logit_rows)
-        for j, index in enumerate(inp.sample_items):
-            req = items[index].request
-            if req.params.return_logprob:
-                row = inp.sample_rows[j]
-                rows.append(LogprobRow(row, req.params.top_logprobs_num, req.params.token_ids_logprob))
-                targets.append(sampled[j : j + 1])
-                owners.append((index, "output"))
-        if not rows:
-            return {}
-        target = torch.cat([t.to(self.device) for t in targets])
-        result: dict[int, tuple[list[LogprobRecord], LogprobRecord | None]] = {}
-        for (index, side), record in zip(owners, compute_logprobs(logits, rows, target), strict=True):
-            inputs, output = result.get(index, ([], None))
-            if side == "input":
-                inputs.append(record)
-            else:
-                output = record
-            result[index] = (inputs, output)
-        return result
-
     def _postprocess(
         self,
         item: ScheduledItem,
         token: int | None,
-        records: tuple[list[LogprobRecord], LogprobRecord | None] | None,
+        records: StepLogprobs | None,
     ) -> RequestOutput | None:
         req = item.request
         req.num_computed = item.end
         self.kv.commit(req)
         if records is not None:
-            req.input_logprobs.extend(records[0])
-            if records[1] is not None:
-                req.output_logprobs.append(records[1])
+            req.input_logprobs.extend(records.inputs)
+            if records.output is not None:
+                req.output_logprobs.append(records.output)
         if item.completes and req.prefill_only:
             self._finish(req, {"type": "length", "length": 0})
             return self._emit(req, [])

@@ -8,11 +8,13 @@ All rows are computed together and copied to the host once per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specserve.engine.request import LogprobRecord
+from specserve.engine.scheduler import ScheduledItem
+from specserve.engine.step_input import StepInput
 
 
 @dataclass(frozen=True)
@@ -57,3 +59,43 @@ def _chosen_ids(logprobs: torch.Tensor, rows: Sequence[LogprobRow]) -> torch.Ten
         torch.tensor(row_index, dtype=torch.long, device=device),
         torch.tensor(col_index, dtype=torch.long, device=device),
     ]
+
+
+@dataclass
+class StepLogprobs:
+    """One request's logprob records from one step: scored prompt tokens, and the sampled token's."""
+
+    inputs: list[LogprobRecord] = field(default_factory=list)
+    output: LogprobRecord | None = None
+
+
+def step_logprobs(
+    items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor, sampled: torch.Tensor
+) -> dict[int, StepLogprobs]:
+    """Records per scheduled item index, for every row this step's requests asked logprobs of."""
+    rows: list[LogprobRow] = []
+    targets: list[torch.Tensor] = []
+    owners: list[tuple[int, bool]] = []  # (item index, is the sampled token)
+    for spec in inp.input_logprobs:
+        params = items[spec.item].request.params
+        ids = items[spec.item].request.token_ids[spec.first_token : spec.first_token + len(spec.logit_rows)]
+        rows.extend(LogprobRow(r, params.top_logprobs_num, params.token_ids_logprob) for r in spec.logit_rows)
+        targets.append(torch.tensor(ids, dtype=torch.long))
+        owners.extend((spec.item, False) for _ in spec.logit_rows)
+    for j, index in enumerate(inp.sample_items):
+        params = items[index].request.params
+        if params.return_logprob:
+            rows.append(LogprobRow(inp.sample_rows[j], params.top_logprobs_num, params.token_ids_logprob))
+            targets.append(sampled[j : j + 1])
+            owners.append((index, True))
+    if not rows:
+        return {}
+    target = torch.cat([t.to(logits.device) for t in targets])
+    result: dict[int, StepLogprobs] = {}
+    for (index, is_output), record in zip(owners, compute_logprobs(logits, rows, target), strict=True):
+        entry = result.setdefault(index, StepLogprobs())
+        if is_output:
+            entry.output = record
+        else:
+            entry.inputs.append(record)
+    return result
