@@ -25,6 +25,7 @@ class BenchRow:
     new_tokens: int
     seconds: float
     tokens_per_s: float
+    accept_length: float | None = None  # completion tokens per verify step, with speculation
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,18 +62,34 @@ def run(args: argparse.Namespace) -> int:
         json.loads(line)["turns"][0] for line in dataset_path("mt-bench").read_text().splitlines() if line
     ]
     prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions]
+    engines = {"specserve": llm}
+    if args.speculative:
+        spec = {"method": args.speculative, "num_steps": args.num_steps}
+        engines[f"specserve-{args.speculative}-{args.num_steps}"] = LLM(
+            llm.engine.loaded,
+            device=args.device,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=max(batch_sizes),
+            max_batched_tokens=8192,
+            speculative=spec,
+        )
     hf = _load_hf(llm) if args.hf else None
     rows: list[BenchRow] = []
-    _time_engine(llm, prompts[:2], 8)  # warm-up
+    for engine in engines.values():
+        _time_engine(engine, prompts[:2], 8)  # warm-up
     for b in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        rows.append(_row("specserve", b, args.max_new_tokens, _time_engine(llm, batch, args.max_new_tokens)))
+        for name, engine in engines.items():
+            seconds, accept = _time_engine(engine, batch, args.max_new_tokens)
+            rows.append(_row(name, b, args.max_new_tokens, seconds, accept))
         if hf is not None:
             rows.append(
                 _row("hf-generate", b, args.max_new_tokens, _time_hf(hf, llm, batch, args.max_new_tokens))
             )
             if b == 1:
-                seconds = _time_hf(hf, llm, batch, args.max_new_tokens, prompt_lookup=10)
+                seconds = _time_hf(hf, llm, batch, args.max_new_tokens, prompt_lookup=args.num_steps)
                 rows.append(_row("hf-generate-prompt-lookup", b, args.max_new_tokens, seconds))
     report = {
         "model": args.model,
@@ -86,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(system: str, batch: int, new_tokens: int, seconds: float) -> BenchRow:
-    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds)
+def _row(system: str, batch: int, new_tokens: int, seconds: float, accept: float | None = None) -> BenchRow:
+    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds, accept)
 
 
 def _sync(device: torch.device) -> None:
@@ -95,15 +112,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_engine(llm, prompts: list[list[int]], new_tokens: int) -> float:
+def _time_engine(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None]:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.engine.flush_cache()  # no prefix reuse between runs
     _sync(llm.engine.device)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     _sync(llm.engine.device)
+    seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
-    return time.perf_counter() - start
+    verify_steps = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
+    return seconds, (len(outs) * new_tokens / verify_steps if verify_steps else None)
 
 
 def _load_hf(llm):

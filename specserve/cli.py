@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--speculative", default=None, help="speculative method (ngram), default off")
+    gen.add_argument("--num-steps", type=int, default=4, help="draft tokens per step with --speculative")
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--json", action="store_true", help="print the full result (text, ids, meta) as JSON")
@@ -45,7 +47,8 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        spec = {"method": args.speculative, "num_steps": args.num_steps} if args.speculative else None
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=spec)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
         else:

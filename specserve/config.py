@@ -52,6 +52,53 @@ class SchedulerConfig:
         _require(self.max_batched_tokens >= 1, "max_batched_tokens", "must be >= 1")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a drafter proposes `num_steps` tokens, one target pass verifies them."""
+
+    method: str = "ngram"
+    num_steps: int = 4
+    topk: int = 1
+    num_draft_tokens: int | None = None  # chain drafting: num_steps
+    ngram_min_match: int = 1
+    ngram_max_match: int = 4
+
+    def validate(self) -> None:
+        _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {list(SPEC_METHODS)}")
+        _require(
+            isinstance(self.num_steps, int) and 1 <= self.num_steps <= 64,
+            "speculative.num_steps",
+            "must be an integer in [1, 64]",
+        )
+        _require(self.topk == 1, "speculative.topk", "only chain drafting (topk 1) is supported so far")
+        _require(
+            self.num_draft_tokens in (None, self.num_steps),
+            "speculative.num_draft_tokens",
+            "must equal num_steps for chain drafting",
+        )
+        _require(
+            1 <= self.ngram_min_match <= self.ngram_max_match,
+            "speculative.ngram_min_match",
+            "must be >= 1 and <= ngram_max_match",
+        )
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """Accept a config, a dict of its fields, or a method name."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            return cls(method=value)
+        if not isinstance(value, dict):
+            raise ValueError("speculative: must be null, a method name or a mapping of settings")
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        _require(not unknown, "speculative", f"unknown settings {sorted(unknown)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `Engine` needs besides the loaded model."""
@@ -64,6 +111,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
@@ -85,6 +133,8 @@ class EngineConfig:
         )
         self.cache.validate()
         self.scheduler.validate()
+        if self.speculative is not None:
+            self.speculative.validate()
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from specserve.engine.engine import Engine
 from specserve.model.loader import LoadedModel
 from specserve.types import RequestOutput, SamplingParams
@@ -20,6 +20,8 @@ class LLM:
     `model` is an asset name (default `smollm2-135m-instruct`), a `.gguf` file or an HF folder, or a
     `LoadedModel` another LLM already holds (engines then share the weights).
     `device`/`dtype` default to the GPU in bf16 when there is one, else the CPU in fp32.
+    `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
+    (e.g. `{"method": "ngram", "num_steps": 4}`) or a method name.
     """
 
     def __init__(
@@ -29,7 +31,7 @@ class LLM:
         device: str = "auto",
         dtype: str = "auto",
         page_size: int = 1,
-        speculative: Any = None,
+        speculative: SpeculativeConfig | dict | str | None = None,
         max_total_tokens: int | None = None,
         max_running_requests: int = 64,
         max_batched_tokens: int = 2048,
@@ -38,8 +40,6 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
     ) -> None:
-        if speculative is not None:
-            raise ValueError("speculative: speculative decoding is not in this build yet; pass None")
         loaded = model if isinstance(model, LoadedModel) else None
         config = EngineConfig(
             model=str(loaded.location.path) if loaded else model,
@@ -47,6 +47,7 @@ class LLM:
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
+            speculative=SpeculativeConfig.from_value(speculative),
             cache=CacheConfig(
                 page_size=page_size,
                 max_total_tokens=max_total_tokens,

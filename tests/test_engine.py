@@ -241,8 +241,12 @@ def test_bad_requests_name_the_field(llm):
     for prompt, params, field in cases:
         with pytest.raises(ValueError, match=field):
             llm.generate([prompt], params)
+    with pytest.raises(ValueError, match="speculative.method"):
+        LLM(llm.engine.loaded, speculative={"method": "medusa"})
+    with pytest.raises(ValueError, match="speculative.num_steps"):
+        LLM(llm.engine.loaded, speculative={"method": "ngram", "num_steps": 0})
     with pytest.raises(ValueError, match="speculative"):
-        LLM(llm.engine.loaded, speculative={"method": "ngram"})
+        LLM(llm.engine.loaded, speculative={"method": "ngram", "steps": 3})
     with pytest.raises(ValueError, match="page_size"):
         LLM(llm.engine.loaded, device="cpu", dtype="float32", page_size=0)
     with pytest.raises(ValueError, match="dtype"):

@@ -22,11 +22,13 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.logprobs import StepLogprobs, step_logprobs
 from specserve.engine.output import make_output
 from specserve.engine.request import Request
-from specserve.engine.sampler import SamplingBatch, SamplingRow, sample
+from specserve.engine.sampler import SamplingRow
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
 from specserve.model.loader import LoadedModel, load_model
+from specserve.spec.ngram import NgramDrafter
+from specserve.spec.verify import emitted_tokens, verify_rows
 from specserve.types import RequestOutput, SamplingParams
 
 CPU_DEFAULT_TOKENS = 65536  # the CPU pool is allocated lazily, so a generous default costs little
@@ -51,6 +53,8 @@ class Engine:
         self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = TorchAttentionBackend()
+        spec = config.speculative
+        self.drafter = NgramDrafter(spec.ngram_min_match, spec.ngram_max_match) if spec else None
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []
@@ -92,6 +96,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        self._propose_drafts()
         items = self.scheduler.schedule()
         if not items:
             return outputs
@@ -99,13 +104,14 @@ class Engine:
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
         hidden = self.model(inp.input_ids, inp.positions, ctx)
         logits = self.model.compute_logits(hidden[inp.logit_rows])
-        sampled = self._sample(items, inp, logits)
-        records = step_logprobs(items, inp, logits, sampled)
-        tokens = dict(zip(inp.sample_items, sampled.tolist(), strict=True))
+        emitted = self._verify(items, inp, logits)
+        records = step_logprobs(items, inp, logits, emitted)
         for index, item in enumerate(items):
-            out = self._postprocess(item, tokens.get(index), records.get(index))
+            out = self._postprocess(item, emitted.get(index), records.get(index))
             if out is not None:
                 outputs.append(out)
+        for req in self.scheduler.running:
+            req.draft = []
         return outputs
 
     def flush_cache(self) -> bool:
@@ -167,50 +173,93 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _sample(self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor) -> torch.Tensor:
-        if not inp.sample_items:
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        reqs = [items[i].request for i in inp.sample_items]
-        rows = [_sampling_row(r) for r in reqs]
-        batch = SamplingBatch.build(rows, self.device)
-        return sample(logits[inp.sample_logit_rows], batch, self._banned(reqs))
+    def _propose_drafts(self) -> None:
+        """Each decoding request gets up to num_steps draft tokens, never more than it may still emit."""
+        if self.drafter is None:
+            return
+        for req in self.scheduler.running:
+            room = (
+                min(req.params.max_new_tokens - req.num_output, self.max_model_len - len(req.token_ids)) - 1
+            )
+            if req.decoding and room > 0:
+                req.draft = self.drafter.propose(req.token_ids, min(self.config.speculative.num_steps, room))
 
-    def _banned(self, reqs: list[Request]) -> torch.Tensor | None:
-        """min_new_tokens: stop ids and EOS cannot be drawn until enough tokens exist."""
-        bans = [(i, _stop_ids(r)) for i, r in enumerate(reqs) if r.num_output < r.params.min_new_tokens]
+    def _verify(
+        self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor
+    ) -> dict[int, list[int]]:
+        """Tokens each sampling item emits: accepted drafts plus one sampled (or corrected) token."""
+        if not inp.sample_items:
+            return {}
+        rows: list[SamplingRow] = []
+        owners: list[Request] = []
+        drafts: list[int | None] = []
+        for index in inp.sample_items:
+            item = items[index]
+            for j in range(len(item.draft) + 1):
+                rows.append(_sampling_row(item.request, counter=item.request.num_output + j))
+                owners.append(item.request)
+                drafts.append(item.draft[j] if j < len(item.draft) else None)
+        result = verify_rows(logits[inp.sample_logit_rows], rows, drafts, self._banned(rows, owners))
+        emitted, offset = {}, 0
+        for index in inp.sample_items:
+            draft = items[index].draft
+            emitted[index] = emitted_tokens(result, range(offset, offset + len(draft) + 1), draft)
+            offset += len(draft) + 1
+        return emitted
+
+    def _banned(self, rows: list[SamplingRow], owners: list[Request]) -> torch.Tensor | None:
+        """min_new_tokens: stop ids and EOS cannot be drawn at an output index below it."""
+        bans = [
+            (i, _stop_ids(r))
+            for i, (r, row) in enumerate(zip(owners, rows, strict=True))
+            if row.counter < r.params.min_new_tokens
+        ]
         bans = [(i, ids) for i, ids in bans if ids]
         if not bans:
             return None
-        banned = torch.zeros(len(reqs), self.arch.vocab_size, dtype=torch.bool)
+        banned = torch.zeros(len(rows), self.arch.vocab_size, dtype=torch.bool)
         for i, ids in bans:
             banned[i, list(ids)] = True
         return banned.to(self.device, non_blocking=True)
 
     def _postprocess(
-        self,
-        item: ScheduledItem,
-        token: int | None,
-        records: StepLogprobs | None,
+        self, item: ScheduledItem, tokens: list[int] | None, records: StepLogprobs | None
     ) -> RequestOutput | None:
         req = item.request
-        req.num_computed = item.end
+        # Known tokens now have KV, and so do the accepted drafts (all emitted tokens but the last).
+        req.num_computed = item.start + item.num_known + (len(tokens) - 1 if tokens else 0)
         self.kv.commit(req)
         if records is not None:
             req.input_logprobs.extend(records.inputs)
-            if records.output is not None:
-                req.output_logprobs.append(records.output)
         if item.completes and req.prefill_only:
             self._finish(req, {"type": "length", "length": 0})
             return self._emit(req, [])
-        if token is None:
+        if not tokens:
             return None
-        req.token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        reason = self._finish_reason(req, token)
-        if reason is not None:
-            self._finish(req, reason)
-        return self._emit(req, [token])
+        if self.drafter is not None:
+            self._count_verify(req, len(tokens) - 1)
+        delta: list[int] = []
+        for i, token in enumerate(tokens):
+            req.token_ids.append(token)
+            delta.append(token)
+            if records is not None and i < len(records.outputs):
+                req.output_logprobs.append(records.outputs[i])
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        if not req.finished:
+            self.kv.trim(req, len(req.token_ids))
+        return self._emit(req, delta)
+
+    @staticmethod
+    def _count_verify(req: Request, accepted: int) -> None:
+        req.spec_verify_ct += 1
+        hist = req.spec_accept_histogram
+        hist.extend([0] * (accepted + 1 - len(hist)))
+        hist[accepted] += 1
 
     def _finish_reason(self, req: Request, token: int) -> dict | None:
         params = req.params
@@ -242,7 +291,7 @@ class Engine:
         return self.tokenizer.decode([token_id])
 
 
-def _sampling_row(req: Request) -> SamplingRow:
+def _sampling_row(req: Request, counter: int) -> SamplingRow:
     p = req.params
     return SamplingRow(
         temperature=float(p.temperature),
@@ -250,7 +299,7 @@ def _sampling_row(req: Request) -> SamplingRow:
         top_p=float(p.top_p),
         min_p=float(p.min_p),
         seed=req.seed,
-        counter=req.num_output,
+        counter=counter,
     )
 
 

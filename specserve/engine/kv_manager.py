@@ -44,6 +44,13 @@ class KVManager:
             return False
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back pages past the first `num_tokens` tokens (reserved for drafts that were rejected)."""
+        keep = self.pages_for(num_tokens)
+        if len(req.pages) > keep:
+            self.pool.release(reversed(req.pages[keep:]))
+            del req.pages[keep:]
+
     def commit(self, req: Request) -> None:
         """Offer the request's newly completed pages to the prefix cache."""
         if self.prefix_cache is None:

@@ -66,11 +66,11 @@ class StepLogprobs:
     """One request's logprob records from one step: scored prompt tokens, and the sampled token's."""
 
     inputs: list[LogprobRecord] = field(default_factory=list)
-    output: LogprobRecord | None = None
+    outputs: list[LogprobRecord] = field(default_factory=list)  # one per emitted token, in order
 
 
 def step_logprobs(
-    items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor, sampled: torch.Tensor
+    items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor, emitted: dict[int, list[int]]
 ) -> dict[int, StepLogprobs]:
     """Records per scheduled item index, for every row this step's requests asked logprobs of."""
     rows: list[LogprobRow] = []
@@ -82,20 +82,21 @@ def step_logprobs(
         rows.extend(LogprobRow(r, params.top_logprobs_num, params.token_ids_logprob) for r in spec.logit_rows)
         targets.append(torch.tensor(ids, dtype=torch.long))
         owners.extend((spec.item, False) for _ in spec.logit_rows)
-    for j, index in enumerate(inp.sample_items):
+    for index, sample_rows in zip(inp.sample_items, inp.sample_rows, strict=True):
         params = items[index].request.params
         if params.return_logprob:
-            rows.append(LogprobRow(inp.sample_rows[j], params.top_logprobs_num, params.token_ids_logprob))
-            targets.append(sampled[j : j + 1])
-            owners.append((index, True))
+            tokens = emitted[index]  # emitted token i was drawn at the item's sample row i
+            rows.extend(
+                LogprobRow(r, params.top_logprobs_num, params.token_ids_logprob)
+                for r in sample_rows[: len(tokens)]
+            )
+            targets.append(torch.tensor(tokens, dtype=torch.long))
+            owners.extend((index, True) for _ in tokens)
     if not rows:
         return {}
     target = torch.cat([t.to(logits.device) for t in targets])
     result: dict[int, StepLogprobs] = {}
     for (index, is_output), record in zip(owners, compute_logprobs(logits, rows, target), strict=True):
         entry = result.setdefault(index, StepLogprobs())
-        if is_output:
-            entry.output = record
-        else:
-            entry.inputs.append(record)
+        (entry.outputs if is_output else entry.inputs).append(record)
     return result

@@ -34,6 +34,10 @@ def _meta(req: Request, token_text: TokenText) -> dict[str, Any]:
         "completion_tokens": req.num_output,
         "cached_tokens": req.cached_tokens,
     }
+    if req.spec_verify_ct:
+        meta["spec_verify_ct"] = req.spec_verify_ct
+        meta["spec_accept_length"] = req.num_output / req.spec_verify_ct
+        meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
     if req.finished and req.finish_time is not None:
         meta["e2e_latency"] = req.finish_time - req.arrival_time
     if req.params.return_logprob and req.finished:

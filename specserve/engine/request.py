@@ -52,6 +52,9 @@ class Request:
     num_retractions: int = 0
     input_logprobs: list[LogprobRecord] = field(default_factory=list)
     output_logprobs: list[LogprobRecord] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)  # proposed tokens awaiting this step's verify
+    spec_verify_ct: int = 0
+    spec_accept_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -78,6 +81,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def decoding(self) -> bool:
+        """Only the last sampled token lacks KV: the request is past its prefill."""
+        return self.num_uncomputed == 1 and self.num_output > 0
 
     @property
     def prefill_only(self) -> bool:

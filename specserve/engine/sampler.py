@@ -114,11 +114,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | No
     int64 elementwise ops) plus a log and a divide in float64, once per sampled step; an all-greedy
     batch skips all of it.
     """
-    masked = _mask_banned(logits, banned)
     if batch.all_greedy:
-        return masked.argmax(dim=-1)
-    probs = filtered_probs(logits, batch, banned)
-    u = _noise_from_key(batch.noise_key, logits.shape[-1])  # == uniform_noise(seed, counter, V)
+        return _mask_banned(logits, banned).argmax(dim=-1)
+    return sample_from_probs(filtered_probs(logits, batch, banned), batch)
+
+
+def sample_from_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw one token per row from given probabilities [B, V] (need not be normalised), with the
+    same per-row noise `sample` uses; speculative verify draws its residuals through this."""
+    u = _noise_from_key(batch.noise_key, probs.shape[-1])  # == uniform_noise(seed, counter, V)
     # Exponential race: argmax p/E with E ~ Exp(1) picks v with probability p_v. Greedy rows have
     # one-hot probs, so the race returns their argmax too; zero-probability tokens never win.
     return (probs.double() / -torch.log(u)).argmax(dim=-1)

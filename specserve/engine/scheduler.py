@@ -18,17 +18,27 @@ from specserve.engine.request import Request, Status
 
 @dataclass(frozen=True)
 class ScheduledItem:
-    """Compute `request.token_ids[start : start + num_tokens]` this step (start = its num_computed then)."""
+    """Compute `request.token_ids[start : start + num_known]` and then `draft` this step.
+
+    `start` is the request's num_computed when scheduled; `num_tokens` counts known and draft tokens.
+    """
 
     request: Request
     start: int
     num_tokens: int
     completes: bool  # this step computes the last known token, so its logits yield the next one
+    draft: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledItem:
         start = request.num_computed
-        return cls(request, start, num_tokens, start + num_tokens == len(request.token_ids))
+        known = min(num_tokens, request.num_uncomputed)
+        draft = tuple(request.draft[: num_tokens - known])
+        return cls(request, start, num_tokens, start + known == len(request.token_ids), draft)
+
+    @property
+    def num_known(self) -> int:
+        return self.num_tokens - len(self.draft)
 
     @property
     def end(self) -> int:
@@ -64,7 +74,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_uncomputed, budget, first=not items)
+            n = self._chunk(req.num_uncomputed + len(req.draft), budget, first=not items)
             if n == 0:
                 break
             ok, retracted_now = self._reserve_or_retract(req, req.num_computed + n)
@@ -112,6 +122,7 @@ class Scheduler:
 
     def _retract(self, req: Request) -> None:
         self.kv.free(req)
+        req.draft = []
         req.status = Status.WAITING
         req.num_retractions += 1
         self.num_retracted += 1

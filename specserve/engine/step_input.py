@@ -31,9 +31,10 @@ class StepInput:
     positions: torch.Tensor  # [T]
     attention: AttentionBatch
     logit_rows: torch.Tensor  # [R] token rows whose logits are computed
-    sample_items: tuple[int, ...]  # items that sample a token, in logits-row order
-    sample_rows: tuple[int, ...]  # rows of the logits tensor to sample from (host copy)
-    sample_logit_rows: torch.Tensor  # [S] the same, on the device
+    sample_items: tuple[int, ...]  # items that sample (verify) tokens, in logits-row order
+    # Per sample item, its rows of the logits tensor: the last known token, then each draft token.
+    sample_rows: tuple[range, ...]
+    sample_logit_rows: torch.Tensor  # [S] every sample row, concatenated, on the device
     input_logprobs: tuple[InputLogprobRows, ...]
 
 
@@ -43,11 +44,12 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
     slots: list[np.ndarray] = []
     logit_rows: list[int] = []
     sample_items: list[int] = []
-    sample_logit_rows: list[int] = []
+    sample_rows: list[range] = []
     input_lp: list[InputLogprobRows] = []
     for index, item in enumerate(items):
         req, offset = item.request, len(ids)
-        ids.extend(req.token_ids[item.start : item.end])
+        ids.extend(req.token_ids[item.start : item.start + item.num_known])
+        ids.extend(item.draft)
         ctx = np.arange(item.start, item.end, dtype=np.int64)
         positions.append(ctx)
         pages = np.asarray(req.pages, dtype=np.int64)
@@ -61,21 +63,23 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
             logit_rows.extend(offset + r - item.start for r in ctx_rows)
         if item.completes and not req.prefill_only:
             sample_items.append(index)
-            sample_logit_rows.append(len(logit_rows))
-            logit_rows.append(offset + item.num_tokens - 1)
+            sample_rows.append(range(len(logit_rows), len(logit_rows) + 1 + len(item.draft)))
+            logit_rows.extend(range(offset + item.num_known - 1, offset + item.num_tokens))
     query_lens = [item.num_tokens for item in items]
     seq_lens = [item.end for item in items]
     host = [
         ids,
         np.concatenate(positions),
         logit_rows,
-        sample_logit_rows,
+        [r for rows in sample_rows for r in rows],
         np.concatenate([[0], np.cumsum(query_lens)]),
         seq_lens,
         np.concatenate(slots),
         _page_table(items, seq_lens, page_size),
     ]
-    input_ids, pos, rows, sample_rows, query_start, seq_lens_t, slot_mapping, table = _to_device(host, device)
+    input_ids, pos, rows, sample_rows_t, query_start, seq_lens_t, slot_mapping, table = _to_device(
+        host, device
+    )
     attention = AttentionBatch(
         query_start=query_start,
         seq_lens=seq_lens_t,
@@ -91,8 +95,8 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
         attention=attention,
         logit_rows=rows,
         sample_items=tuple(sample_items),
-        sample_rows=tuple(sample_logit_rows),
-        sample_logit_rows=sample_rows,
+        sample_rows=tuple(sample_rows),
+        sample_logit_rows=sample_rows_t,
         input_logprobs=tuple(input_lp),
     )
 

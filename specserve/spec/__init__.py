@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose, `verify` accepts losslessly."""

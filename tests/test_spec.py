@@ -1,0 +1,157 @@
+"""Speculative decoding with the n-gram drafter: lossless greedy and sampling, logprobs, KV, stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve import LLM, SamplingParams
+from specserve.engine.sampler import SamplingRow, filtered_probs_ref
+from specserve.model.loader import load_model
+from specserve.spec.ngram import NgramDrafter
+from specserve.spec.verify import emitted_tokens, verify_rows
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_gguf):
+    return load_model(str(smollm2_gguf), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded):
+    """Prompts whose answers repeat their own text, so n-gram drafts get accepted."""
+    tok = loaded.tokenizer
+    texts = [
+        "Repeat this list exactly three times: apple, banana, cherry, date, elderberry.",
+        "Write the numbers from 1 to 30 separated by commas.",
+        "Copy this sentence twice: The quick brown fox jumps over the lazy dog.",
+        "def add(a, b):\n    return a + b\n\nRewrite the function above with type hints.",
+        "Say hello.",
+    ]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
+        for t in texts
+    ]
+
+
+def _ids(p) -> list[int]:
+    return list(p["input_ids"] if hasattr(p, "keys") else p)
+
+
+def _llm(loaded, speculative=None, **kwargs) -> LLM:
+    return LLM(
+        loaded, device="cpu", dtype="float32", max_total_tokens=4096, speculative=speculative, **kwargs
+    )
+
+
+def test_ngram_drafter_proposes_the_latest_continuation():
+    d = NgramDrafter(min_match=1, max_match=3)
+    assert d.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert d.propose([9, 1, 2, 5, 1, 2, 6, 1, 2], 1) == [6]  # latest of several matches
+    assert d.propose([5, 6, 7], 2) == []
+    assert d.propose([1, 2, 3, 1, 2, 3], 0) == []
+
+
+@pytest.mark.parametrize(("num_steps", "page_size"), [(1, 1), (3, 16), (5, 1)])
+def test_greedy_is_lossless(loaded, prompts, num_steps, page_size):
+    params = SamplingParams(max_new_tokens=48, temperature=0.0)
+    batch = [_ids(p) for p in prompts]
+    reference = _llm(loaded, page_size=page_size).generate(batch, params)
+    spec = _llm(loaded, {"method": "ngram", "num_steps": num_steps}, page_size=page_size)
+    together = spec.generate(batch, params)
+    alone = [spec.generate([p], params)[0] for p in batch[:2]]
+    assert [o.token_ids for o in together] == [r.token_ids for r in reference]
+    assert [o.token_ids for o in alone] == [r.token_ids for r in reference[:2]]
+    assert [o.text for o in together] == [r.text for r in reference]
+    accepted = sum(o.meta["completion_tokens"] for o in together) / sum(
+        o.meta["spec_verify_ct"] for o in together
+    )
+    assert accepted > 1.2, "repetitive prompts should accept some drafts"
+    for o in together:
+        assert sum(o.meta["spec_accept_histogram"]) == o.meta["spec_verify_ct"]
+
+
+def test_greedy_lossless_under_retraction(loaded, prompts):
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    batch = [_ids(p) for p in prompts]
+    reference = _llm(loaded).generate(batch, params)
+    tight = LLM(
+        loaded,
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        max_total_tokens=200,
+        enable_prefix_cache=False,
+        speculative={"method": "ngram", "num_steps": 4},
+    )
+    outs = tight.generate(batch, params)
+    assert tight.engine.scheduler.num_retracted > 0
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+def test_stops_inside_an_accepted_chain(loaded, prompts):
+    free = _llm(loaded).generate([_ids(prompts[1])], SamplingParams(max_new_tokens=40, temperature=0.0))[0]
+    stop_at = free.token_ids[12]
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[stop_at])
+    spec = _llm(loaded, {"method": "ngram", "num_steps": 6}).generate([_ids(prompts[1])], params)[0]
+    assert spec.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+    capped = _llm(loaded, {"method": "ngram", "num_steps": 6}).generate(
+        [_ids(prompts[1])], SamplingParams(max_new_tokens=7, temperature=0.0)
+    )[0]
+    assert capped.token_ids == free.token_ids[:7]
+
+
+def test_logprobs_equal_prefill_scoring(loaded, prompts):
+    llm = _llm(loaded, {"method": "ngram", "num_steps": 4})
+    prompt = _ids(prompts[0])
+    out = llm.generate(
+        [prompt], SamplingParams(max_new_tokens=24, temperature=0.0, return_logprob=True, top_logprobs_num=3)
+    )[0]
+    assert out.meta["spec_verify_ct"] < len(out.token_ids)
+    scored = llm.generate(
+        [prompt + out.token_ids],
+        SamplingParams(
+            max_new_tokens=0, return_logprob=True, top_logprobs_num=3, logprob_start_len=len(prompt)
+        ),
+    )[0].meta
+    decoded = out.meta["output_token_logprobs"]
+    assert [e[1] for e in decoded] == out.token_ids == [e[1] for e in scored["input_token_logprobs"]]
+    assert max(abs(a[0] - b[0]) for a, b in zip(decoded, scored["input_token_logprobs"], strict=True)) <= 1e-4
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(loaded, prompts):
+    params = SamplingParams(max_new_tokens=24, temperature=0.7, seed=11)
+    llm = _llm(loaded, {"method": "ngram", "num_steps": 3})
+    a = llm.generate([_ids(prompts[0])], params)[0]
+    b = llm.generate([_ids(prompts[1]), _ids(prompts[0])], [SamplingParams(max_new_tokens=5), params])[1]
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0),
+        SamplingRow(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=0, counter=0),
+    ],
+)
+def test_rejection_sampling_emits_the_target_distribution(row):
+    """χ² of the first emitted token over many seeds: drafted or not, it is distributed as p_0."""
+    vocab, draws = 12, 20000
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3), dtype=torch.float32) * 1.5
+    expected = filtered_probs_ref(logits[0], row).numpy()
+    draft = [int(np.argsort(expected)[-2]), int(np.argmax(expected))]  # a plausible but not-top first draft
+    rows, drafts, logit_rows = [], [], []
+    for seed in range(draws):
+        for j in range(2):
+            rows.append(SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, seed, j))
+            drafts.append(draft[j] if j < 1 else None)
+            logit_rows.append(j)
+    result = verify_rows(logits[logit_rows], rows, drafts, None)
+    first = [emitted_tokens(result, range(2 * s, 2 * s + 2), draft[:1])[0] for s in range(draws)]
+    counts = np.bincount(first, minlength=vocab)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0
+    stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * draws)
+    assert stat.pvalue > 1e-3, stat
