@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    parser.add_argument("--speculative", default=None, help="also run with this speculative method (ngram)")
+    parser.add_argument("--num-steps", type=int, default=4, help="draft tokens per step with --speculative")
     parser.add_argument(
         "--hf", action="store_true", help="also time HF transformers generate in this process"
     )
@@ -45,19 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve import LLM
     from specserve.assets import dataset_path
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
-        max_running_requests=max(batch_sizes),
-        max_batched_tokens=8192,
-    )
+    llm = _engine(args, args.model, None, max(batch_sizes))
     questions = [
         json.loads(line)["turns"][0] for line in dataset_path("mt-bench").read_text().splitlines() if line
     ]
@@ -65,16 +58,8 @@ def run(args: argparse.Namespace) -> int:
     engines = {"specserve": llm}
     if args.speculative:
         spec = {"method": args.speculative, "num_steps": args.num_steps}
-        engines[f"specserve-{args.speculative}-{args.num_steps}"] = LLM(
-            llm.engine.loaded,
-            device=args.device,
-            dtype=args.dtype,
-            page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
-            max_running_requests=max(batch_sizes),
-            max_batched_tokens=8192,
-            speculative=spec,
-        )
+        name = f"specserve-{args.speculative}-{args.num_steps}"
+        engines[name] = _engine(args, llm.engine.loaded, spec, max(batch_sizes))
     hf = _load_hf(llm) if args.hf else None
     rows: list[BenchRow] = []
     for engine in engines.values():
@@ -101,6 +86,21 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps(report, indent=2))
     _print_table(rows)
     return 0
+
+
+def _engine(args: argparse.Namespace, model, speculative: dict | None, max_batch: int):
+    from specserve import LLM
+
+    return LLM(
+        model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        max_running_requests=max_batch,
+        max_batched_tokens=8192,
+        speculative=speculative,
+    )
 
 
 def _row(system: str, batch: int, new_tokens: int, seconds: float, accept: float | None = None) -> BenchRow:
