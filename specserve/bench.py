@@ -167,10 +167,15 @@ def _time_hf(
 
 
 def _print_table(rows: list[BenchRow]) -> None:
-    ours = {r.batch_size: r.tokens_per_s for r in rows if r.system == "specserve"}
-    print(f"{'system':<28}{'batch':>6}{'new tok':>9}{'seconds':>10}{'tok/s':>11}{'ours / this':>13}")
+    """One line per run; the last column is each run's speed over plain specserve at that batch size."""
+    plain = {r.batch_size: r.tokens_per_s for r in rows if r.system == "specserve"}
+    print(
+        f"{'system':<28}{'batch':>6}{'new tok':>9}{'seconds':>10}{'tok/s':>11}{'accept len':>12}{'x plain':>9}"
+    )
     for r in rows:
-        ratio = ours[r.batch_size] / r.tokens_per_s
+        accept = f"{r.accept_length:.2f}" if r.accept_length else "-"
+        speedup = r.tokens_per_s / plain[r.batch_size]
         print(
-            f"{r.system:<28}{r.batch_size:>6}{r.new_tokens:>9}{r.seconds:>10.2f}{r.tokens_per_s:>11.1f}{ratio:>13.2f}"
+            f"{r.system:<28}{r.batch_size:>6}{r.new_tokens:>9}{r.seconds:>10.2f}{r.tokens_per_s:>11.1f}"
+            f"{accept:>12}{speedup:>9.2f}"
         )

@@ -87,3 +87,23 @@ def test_bf16_parity_figures(smollm2_gguf, mtbench_questions):
     # bf16 rounding differs between implementations; the next token must still agree almost always.
     assert figures["first_token_agree"] >= figures["prompts"] - 1
     assert figures["max_rel_logit_err"] < 0.05
+
+
+def test_bf16_speculative_greedy_match_rate(smollm2_gguf, mtbench_questions):
+    """n-gram speculation in bf16: verify runs k+1 query rows where plain decode runs one, so near-ties
+    may flip; report how often the 64-token greedy outputs still agree."""
+    plain = LLM(str(smollm2_gguf), device="cuda", dtype="bfloat16", max_total_tokens=16384)
+    spec = LLM(
+        plain.engine.loaded,
+        device="cuda",
+        dtype="bfloat16",
+        max_total_tokens=16384,
+        speculative={"method": "ngram", "num_steps": 4},
+    )
+    prompts = _prompts(plain, mtbench_questions)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    a, b = plain.generate(prompts, params), spec.generate(prompts, params)
+    identical = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+    accept = sum(o.meta["completion_tokens"] for o in b) / sum(o.meta["spec_verify_ct"] for o in b)
+    _report("bf16_ngram_vs_plain", {"prompts": len(prompts), "identical": identical, "accept_length": accept})
+    assert all(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True))
