@@ -155,3 +155,34 @@ def test_rejection_sampling_emits_the_target_distribution(row):
     assert counts[~keep].sum() == 0
     stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * draws)
     assert stat.pvalue > 1e-3, stat
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0),
+        SamplingRow(temperature=0.8, top_k=6, top_p=0.95, min_p=0.0, seed=0, counter=0),
+    ],
+)
+def test_rejection_sampling_with_a_draft_distribution(row):
+    """A drafter that samples d ~ q (as model drafters do): accept min(1, p/q), else draw from
+    norm(max(p - q, 0)). The first emitted token must still follow p exactly (χ²)."""
+    vocab, draws = 10, 20000
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, vocab, generator=g) * 1.5
+    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, dim=0)  # a different, full-support draft
+    expected = filtered_probs_ref(logits[0], row).numpy()
+    drawn = np.random.default_rng(0).choice(vocab, size=draws, p=q.double().numpy() / q.double().sum().item())
+    rows, drafts, draft_probs = [], [], []
+    for seed in range(draws):
+        rows += [SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, seed, j) for j in range(2)]
+        drafts += [int(drawn[seed]), None]
+        draft_probs += [q, torch.zeros(vocab)]
+    result = verify_rows(logits[[0, 1] * draws], rows, drafts, None, torch.stack(draft_probs))
+    first = [emitted_tokens(result, range(2 * s, 2 * s + 2), [int(drawn[s])])[0] for s in range(draws)]
+    counts = np.bincount(first, minlength=vocab)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0
+    assert 0 < sum(result.accepted[0::2]) < draws  # both branches exercised
+    stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * draws)
+    assert stat.pvalue > 1e-3, stat

@@ -1,4 +1,4 @@
-"""The engine: `step()` = schedule → build inputs → forward → sample → postprocess → emit.
+"""The engine: `step()` = draft → schedule → build inputs → forward → verify/sample → postprocess → emit.
 
 Everything runs in the caller's thread; a server drives `step()` in a loop and feeds
 `add_request`/`abort` between steps.

@@ -119,10 +119,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | No
     return sample_from_probs(filtered_probs(logits, batch, banned), batch)
 
 
-def sample_from_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Draw one token per row from given probabilities [B, V] (need not be normalised), with the
-    same per-row noise `sample` uses; speculative verify draws its residuals through this."""
-    u = _noise_from_key(batch.noise_key, probs.shape[-1])  # == uniform_noise(seed, counter, V)
+def sample_from_probs(probs: torch.Tensor, batch: SamplingBatch, *, salt: int = 0) -> torch.Tensor:
+    """Draw one token per row from given probabilities [B, V] (need not be normalised). Salt 0 is the
+    noise `sample` uses; speculative verify draws residuals with it and drafts with another salt."""
+    if salt:
+        u = uniform_noise(batch.seed, batch.counter, probs.shape[-1], salt=salt)
+    else:
+        u = _noise_from_key(batch.noise_key, probs.shape[-1])  # == uniform_noise(seed, counter, V)
     # Exponential race: argmax p/E with E ~ Exp(1) picks v with probability p_v. Greedy rows have
     # one-hot probs, so the race returns their argmax too; zero-probability tokens never win.
     return (probs.double() / -torch.log(u)).argmax(dim=-1)
