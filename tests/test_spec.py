@@ -103,22 +103,59 @@ def test_stops_inside_an_accepted_chain(loaded, prompts):
     assert capped.token_ids == free.token_ids[:7]
 
 
-def test_logprobs_equal_prefill_scoring(loaded, prompts):
-    llm = _llm(loaded, {"method": "ngram", "num_steps": 4})
+@pytest.mark.parametrize("method", ["ngram", "standalone"])
+def test_logprobs_equal_prefill_scoring(loaded, prompts, method):
+    spec = {"method": method, "num_steps": 4}
+    if method == "standalone":
+        spec["draft_model"] = str(loaded.location.path)  # self-draft: long accepted chains
+    llm = _llm(loaded, spec)
     prompt = _ids(prompts[0])
+    probes = [1, 2, 10, 100, 1000]
     out = llm.generate(
-        [prompt], SamplingParams(max_new_tokens=24, temperature=0.0, return_logprob=True, top_logprobs_num=3)
+        [prompt],
+        SamplingParams(
+            max_new_tokens=32,
+            temperature=0.0,
+            return_logprob=True,
+            top_logprobs_num=5,
+            token_ids_logprob=probes,
+            logprob_start_len=0,
+        ),
     )[0]
     assert out.meta["spec_verify_ct"] < len(out.token_ids)
+    assert out.meta["spec_accepted_tokens"] <= out.meta["spec_draft_tokens"]
     scored = llm.generate(
         [prompt + out.token_ids],
         SamplingParams(
-            max_new_tokens=0, return_logprob=True, top_logprobs_num=3, logprob_start_len=len(prompt)
+            max_new_tokens=0,
+            return_logprob=True,
+            top_logprobs_num=5,
+            token_ids_logprob=probes,
+            logprob_start_len=len(prompt),
         ),
     )[0].meta
     decoded = out.meta["output_token_logprobs"]
+    assert len(out.meta["input_token_logprobs"]) == len(prompt)
     assert [e[1] for e in decoded] == out.token_ids == [e[1] for e in scored["input_token_logprobs"]]
-    assert max(abs(a[0] - b[0]) for a, b in zip(decoded, scored["input_token_logprobs"], strict=True)) <= 1e-4
+    pairs = [(decoded, scored["input_token_logprobs"])]
+    pairs += list(zip(out.meta["output_top_logprobs"], scored["input_top_logprobs"], strict=True))
+    pairs += list(zip(out.meta["output_token_ids_logprobs"], scored["input_token_ids_logprobs"], strict=True))
+    for ours, reference in pairs:
+        assert [e[1] for e in ours] == [e[1] for e in reference]
+        assert max(abs(a[0] - b[0]) for a, b in zip(ours, reference, strict=True)) <= 1e-4
+
+
+def test_abort_during_speculation_frees_pages(loaded, prompts, tiny_draft):
+    llm = _llm(loaded, {"method": "standalone", "draft_model": str(tiny_draft), "num_steps": 3})
+    engine = llm.engine
+    ids = [
+        engine.add_request(_ids(p), SamplingParams(max_new_tokens=30, temperature=0.0)) for p in prompts[:3]
+    ]
+    for _ in range(4):
+        engine.step()
+    assert engine.abort(ids[0])
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(loaded, prompts):
@@ -186,3 +223,47 @@ def test_rejection_sampling_with_a_draft_distribution(row):
     assert 0 < sum(result.accepted[0::2]) < draws  # both branches exercised
     stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * draws)
     assert stat.pvalue > 1e-3, stat
+
+
+def test_standalone_self_draft_accepts_every_draft(loaded, prompts):
+    """Drafting with the target itself: in greedy every draft is accepted, so each verify step emits
+    num_steps + 1 tokens (fewer only where max_new_tokens cuts the last chain): 1 token from the
+    prefill, then 4 + 4 + 4 + 4 + 4 + 3."""
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    batch = [_ids(p) for p in prompts[:3]]
+    reference = _llm(loaded).generate(batch, params)
+    spec = _llm(
+        loaded,
+        {"method": "standalone", "draft_model": str(loaded.location.path), "num_steps": 3},
+        page_size=4,
+    )
+    outs = spec.generate(batch, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    for o in outs:
+        assert o.meta["spec_verify_ct"] == 6 and o.meta["spec_accept_histogram"] == [0, 0, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(loaded, tmp_path_factory):
+    from tiny_models import save_tiny_llama3
+
+    return save_tiny_llama3(tmp_path_factory.mktemp("draft") / "tiny", loaded.tokenizer)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_standalone_weak_draft_is_lossless(loaded, prompts, tiny_draft, page_size):
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    batch = [_ids(p) for p in prompts]
+    reference = _llm(loaded, page_size=page_size).generate(batch, params)
+    spec = _llm(
+        loaded, {"method": "standalone", "draft_model": str(tiny_draft), "num_steps": 3}, page_size=page_size
+    )
+    assert [o.token_ids for o in spec.generate(batch, params)] == [r.token_ids for r in reference]
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    a = spec.generate([batch[0]], sampled)[0]
+    assert a.token_ids == spec.generate([batch[1], batch[0]], sampled)[1].token_ids
+
+
+def test_standalone_needs_a_draft_model_with_the_same_vocabulary(loaded, tmp_path):
+    with pytest.raises(ValueError, match="speculative.draft_model"):
+        _llm(loaded, {"method": "standalone"})

@@ -28,6 +28,7 @@ from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
 from specserve.model.loader import LoadedModel, load_model
 from specserve.spec.ngram import NgramDrafter
+from specserve.spec.standalone import StandaloneDrafter
 from specserve.spec.verify import emitted_tokens, verify_rows
 from specserve.types import RequestOutput, SamplingParams
 
@@ -53,8 +54,7 @@ class Engine:
         self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = TorchAttentionBackend()
-        spec = config.speculative
-        self.drafter = NgramDrafter(spec.ngram_min_match, spec.ngram_max_match) if spec else None
+        self.drafter = self._make_drafter(num_pages) if config.speculative else None
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []
@@ -111,7 +111,9 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         for req in self.scheduler.running:
-            req.draft = []
+            # Draft KV past what the target kept belongs to rejected (or unverified) drafts.
+            req.draft, req.draft_probs = [], None
+            req.draft_computed = min(req.draft_computed, req.num_computed)
         return outputs
 
     def flush_cache(self) -> bool:
@@ -159,6 +161,16 @@ class Engine:
                 f"max_new_tokens: prompt + max_new_tokens ({total}) exceeds the KV cache ({self.kv.capacity_tokens} tokens)"
             )
 
+    def _make_drafter(self, num_pages: int) -> NgramDrafter | StandaloneDrafter:
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            return NgramDrafter(spec.ngram_min_match, spec.ngram_max_match)
+        same = spec.draft_model == self.config.model
+        draft = self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)
+        return StandaloneDrafter(
+            draft, self.arch.vocab_size, num_pages, self.config.cache.page_size, self.dtype, self.device
+        )
+
     def _num_pages(self) -> int:
         cache = self.config.cache
         tokens = cache.max_total_tokens
@@ -177,12 +189,25 @@ class Engine:
         """Each decoding request gets up to num_steps draft tokens, never more than it may still emit."""
         if self.drafter is None:
             return
+        reqs, budgets = [], []
         for req in self.scheduler.running:
-            room = (
-                min(req.params.max_new_tokens - req.num_output, self.max_model_len - len(req.token_ids)) - 1
-            )
-            if req.decoding and room > 0:
-                req.draft = self.drafter.propose(req.token_ids, min(self.config.speculative.num_steps, room))
+            budget = min(self.config.speculative.num_steps, self._draft_room(req)) if req.decoding else 0
+            # A model drafter writes KV for its drafts: their pages must be held before it runs.
+            if (
+                budget > 0
+                and self.drafter.needs_pages
+                and not self.kv.reserve(req, len(req.token_ids) + budget)
+            ):
+                budget = 0
+            if budget > 0:
+                reqs.append(req)
+                budgets.append(budget)
+        if reqs:
+            self.drafter.draft(reqs, budgets)
+
+    def _draft_room(self, req: Request) -> int:
+        """Drafts a request may take: a step emits up to drafts + 1 tokens, within its limits."""
+        return min(req.params.max_new_tokens - req.num_output, self.max_model_len - len(req.token_ids)) - 1
 
     def _verify(
         self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor
@@ -196,16 +221,34 @@ class Engine:
         for index in inp.sample_items:
             item = items[index]
             for j in range(len(item.draft) + 1):
-                rows.append(_sampling_row(item.request, counter=item.request.num_output + j))
+                rows.append(item.request.sampling_row(item.request.num_output + j))
                 owners.append(item.request)
                 drafts.append(item.draft[j] if j < len(item.draft) else None)
-        result = verify_rows(logits[inp.sample_logit_rows], rows, drafts, self._banned(rows, owners))
+        draft_probs = self._draft_probs(items, inp, logits)
+        result = verify_rows(
+            logits[inp.sample_logit_rows], rows, drafts, self._banned(rows, owners), draft_probs
+        )
         emitted, offset = {}, 0
         for index in inp.sample_items:
             draft = items[index].draft
             emitted[index] = emitted_tokens(result, range(offset, offset + len(draft) + 1), draft)
             offset += len(draft) + 1
         return emitted
+
+    @staticmethod
+    def _draft_probs(items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
+        """[rows, V] distributions the drafts were drawn from (zero rows for bonus rows), or None when
+        every draft is deterministic."""
+        if not any(items[i].request.draft_probs is not None for i in inp.sample_items):
+            return None
+        blocks = []
+        for index in inp.sample_items:
+            item = items[index]
+            block = torch.zeros(len(item.draft) + 1, logits.shape[1], device=logits.device)
+            if item.draft:
+                block[: len(item.draft)] = item.request.draft_probs[: len(item.draft)]
+            blocks.append(block)
+        return torch.cat(blocks)
 
     def _banned(self, rows: list[SamplingRow], owners: list[Request]) -> torch.Tensor | None:
         """min_new_tokens: stop ids and EOS cannot be drawn at an output index below it."""
@@ -238,8 +281,8 @@ class Engine:
             return None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        if self.drafter is not None:
-            self._count_verify(req, len(tokens) - 1)
+        if self.drafter is not None and item.num_known == 1 and req.num_output > 0:  # a decode's verify
+            self._count_verify(req, len(item.draft), len(tokens) - 1)
         delta: list[int] = []
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
@@ -255,8 +298,10 @@ class Engine:
         return self._emit(req, delta)
 
     @staticmethod
-    def _count_verify(req: Request, accepted: int) -> None:
+    def _count_verify(req: Request, drafted: int, accepted: int) -> None:
         req.spec_verify_ct += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += accepted
         hist = req.spec_accept_histogram
         hist.extend([0] * (accepted + 1 - len(hist)))
         hist[accepted] += 1
@@ -289,18 +334,6 @@ class Engine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
-
-
-def _sampling_row(req: Request, counter: int) -> SamplingRow:
-    p = req.params
-    return SamplingRow(
-        temperature=float(p.temperature),
-        top_k=p.top_k if p.top_k > 0 else 0,
-        top_p=float(p.top_p),
-        min_p=float(p.min_p),
-        seed=req.seed,
-        counter=counter,
-    )
 
 
 def _stop_ids(req: Request) -> frozenset[int]:

@@ -67,7 +67,7 @@ class KVManager:
         # Last pages first, so the prefix cache evicts leaves before the prefixes they extend.
         self.pool.release(reversed(req.pages))
         req.pages, req.page_digests = [], []
-        req.num_computed = 0
+        req.num_computed = req.draft_computed = 0
 
     def flush(self) -> None:
         if self.prefix_cache is not None:

@@ -38,6 +38,8 @@ def _meta(req: Request, token_text: TokenText) -> dict[str, Any]:
         meta["spec_verify_ct"] = req.spec_verify_ct
         meta["spec_accept_length"] = req.num_output / req.spec_verify_ct
         meta["spec_accept_histogram"] = list(req.spec_accept_histogram)
+        meta["spec_draft_tokens"] = req.spec_draft_tokens
+        meta["spec_accepted_tokens"] = req.spec_accepted_tokens
     if req.finished and req.finish_time is not None:
         meta["e2e_latency"] = req.finish_time - req.arrival_time
     if req.params.return_logprob and req.finished:

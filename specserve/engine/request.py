@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.engine.sampler import SamplingRow
 from specserve.types import SamplingParams
 
 
@@ -53,7 +54,11 @@ class Request:
     input_logprobs: list[LogprobRecord] = field(default_factory=list)
     output_logprobs: list[LogprobRecord] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)  # proposed tokens awaiting this step's verify
+    draft_probs: Any = None  # [len(draft), V] tensor the draft was sampled from (None: deterministic)
+    draft_computed: int = 0  # leading tokens whose KV is in a model drafter's own cache
     spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0  # drafts sent to verify
+    spec_accepted_tokens: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
 
     def __post_init__(self) -> None:
@@ -108,6 +113,18 @@ class Request:
         if next_lp is not None:
             limit = min(limit, next_lp - 1)
         return max(limit, 0)
+
+    def sampling_row(self, counter: int) -> SamplingRow:
+        """How output token `counter` of this request is drawn (by the target, or a drafter)."""
+        p = self.params
+        return SamplingRow(
+            temperature=float(p.temperature),
+            top_k=max(p.top_k, 0),
+            top_p=float(p.top_p),
+            min_p=float(p.min_p),
+            seed=self.seed,
+            counter=counter,
+        )
 
     def finish(self, reason: dict[str, Any]) -> None:
         self.status = Status.FINISHED

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from specserve.attention.backend import AttentionBatch
+from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
 
 
@@ -75,7 +76,7 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
         np.concatenate([[0], np.cumsum(query_lens)]),
         seq_lens,
         np.concatenate(slots),
-        _page_table(items, seq_lens, page_size),
+        _page_table([item.request for item in items], seq_lens, page_size),
     ]
     input_ids, pos, rows, sample_rows_t, query_start, seq_lens_t, slot_mapping, table = _to_device(
         host, device
@@ -113,11 +114,11 @@ def _input_logprob_rows(item: ScheduledItem) -> tuple[int, range] | None:
     return first_row + 1, range(first_row, last_row)
 
 
-def _page_table(items: list[ScheduledItem], seq_lens: list[int], page_size: int) -> np.ndarray:
+def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) -> np.ndarray:
     max_pages = max(-(-s // page_size) for s in seq_lens)
-    table = np.zeros((len(items), max_pages), dtype=np.int64)
-    for row, (item, seq_len) in enumerate(zip(items, seq_lens, strict=True)):
-        pages = item.request.pages[: -(-seq_len // page_size)]
+    table = np.zeros((len(requests), max_pages), dtype=np.int64)
+    for row, (req, seq_len) in enumerate(zip(requests, seq_lens, strict=True)):
+        pages = req.pages[: -(-seq_len // page_size)]
         table[row, : len(pages)] = pages
     return table
 
@@ -134,3 +135,48 @@ def _to_device(arrays: list, device: torch.device) -> list[torch.Tensor]:
         out.append(buffer[offset : offset + a.size].view(a.shape))
         offset += a.size
     return out
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One drafter forward: each request feeds `tokens` at positions from `start` on."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionBatch
+    last_rows: torch.Tensor  # [B] the row of each request's last fed token
+
+
+def build_draft_input(
+    feeds: list[tuple[Request, int, list[int]]], page_size: int, device: torch.device
+) -> DraftInput:
+    """Inputs for a drafter's own forward over (request, start position, tokens) — catch-up or one
+    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
+    ids = [t for _, _, tokens in feeds for t in tokens]
+    ctx = [np.arange(start, start + len(tokens), dtype=np.int64) for _, start, tokens in feeds]
+    slots = [
+        np.asarray(req.pages, dtype=np.int64)[c // page_size] * page_size + c % page_size
+        for (req, _, _), c in zip(feeds, ctx, strict=True)
+    ]
+    query_lens = [len(tokens) for _, _, tokens in feeds]
+    seq_lens = [start + len(tokens) for _, start, tokens in feeds]
+    host = [
+        ids,
+        np.concatenate(ctx),
+        np.cumsum(query_lens) - 1,
+        np.concatenate([[0], np.cumsum(query_lens)]),
+        seq_lens,
+        np.concatenate(slots),
+        _page_table([req for req, _, _ in feeds], seq_lens, page_size),
+    ]
+    input_ids, pos, last, query_start, seq_lens_t, slot_mapping, table = _to_device(host, device)
+    attention = AttentionBatch(
+        query_start=query_start,
+        seq_lens=seq_lens_t,
+        slot_mapping=slot_mapping,
+        page_table=table,
+        page_size=page_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return DraftInput(input_ids, pos, attention, last)

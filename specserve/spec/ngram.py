@@ -12,8 +12,14 @@ import numpy as np
 
 
 class NgramDrafter:
+    needs_pages = False
+
     def __init__(self, min_match: int, max_match: int) -> None:
         self.min_match, self.max_match = min_match, max_match
+
+    def draft(self, reqs: list, budgets: list[int]) -> None:
+        for req, budget in zip(reqs, budgets, strict=True):
+            req.draft = self.propose(req.token_ids, budget)
 
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Up to `max_tokens` tokens that followed the longest (then latest) earlier match of the suffix."""
