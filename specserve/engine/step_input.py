@@ -41,8 +41,6 @@ class StepInput:
 
 def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.device) -> StepInput:
     ids: list[int] = []
-    positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
     logit_rows: list[int] = []
     sample_items: list[int] = []
     sample_rows: list[range] = []
@@ -51,10 +49,6 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
         req, offset = item.request, len(ids)
         ids.extend(req.token_ids[item.start : item.start + item.num_known])
         ids.extend(item.draft)
-        ctx = np.arange(item.start, item.end, dtype=np.int64)
-        positions.append(ctx)
-        pages = np.asarray(req.pages, dtype=np.int64)
-        slots.append(pages[ctx // page_size] * page_size + ctx % page_size)
         rows = _input_logprob_rows(item)
         if rows is not None:
             first_token, ctx_rows = rows
@@ -66,29 +60,14 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
             sample_items.append(index)
             sample_rows.append(range(len(logit_rows), len(logit_rows) + 1 + len(item.draft)))
             logit_rows.extend(range(offset + item.num_known - 1, offset + item.num_tokens))
-    query_lens = [item.num_tokens for item in items]
-    seq_lens = [item.end for item in items]
-    host = [
-        ids,
-        np.concatenate(positions),
-        logit_rows,
-        [r for rows in sample_rows for r in rows],
-        np.concatenate([[0], np.cumsum(query_lens)]),
-        seq_lens,
-        np.concatenate(slots),
-        _page_table([item.request for item in items], seq_lens, page_size),
-    ]
-    input_ids, pos, rows, sample_rows_t, query_start, seq_lens_t, slot_mapping, table = _to_device(
-        host, device
-    )
-    attention = AttentionBatch(
-        query_start=query_start,
-        seq_lens=seq_lens_t,
-        slot_mapping=slot_mapping,
-        page_table=table,
-        page_size=page_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+    flat_sample_rows = [r for rows in sample_rows for r in rows]
+    (input_ids, rows, sample_rows_t), pos, attention = _batch_tensors(
+        [item.request for item in items],
+        [item.start for item in items],
+        [item.num_tokens for item in items],
+        [ids, logit_rows, flat_sample_rows],
+        page_size,
+        device,
     )
     return StepInput(
         input_ids=input_ids,
@@ -112,6 +91,43 @@ def _input_logprob_rows(item: ScheduledItem) -> tuple[int, range] | None:
     if first_row >= last_row:
         return None
     return first_row + 1, range(first_row, last_row)
+
+
+def _batch_tensors(
+    requests: list[Request],
+    starts: list[int],
+    query_lens: list[int],
+    extra: list,
+    page_size: int,
+    device: torch.device,
+) -> tuple[list[torch.Tensor], torch.Tensor, AttentionBatch]:
+    """Positions and the attention layout of requests computing `query_lens` tokens from `starts` on,
+    copied to the device in one transfer together with the caller's `extra` int arrays."""
+    ctx = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, query_lens, strict=True)]
+    slots = [
+        np.asarray(r.pages, dtype=np.int64)[c // page_size] * page_size + c % page_size
+        for r, c in zip(requests, ctx, strict=True)
+    ]
+    seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
+    host = [
+        *extra,
+        np.concatenate(ctx),
+        np.concatenate([[0], np.cumsum(query_lens)]),
+        seq_lens,
+        np.concatenate(slots),
+        _page_table(requests, seq_lens, page_size),
+    ]
+    *extras, pos, query_start, seq_lens_t, slot_mapping, table = _to_device(host, device)
+    attention = AttentionBatch(
+        query_start=query_start,
+        seq_lens=seq_lens_t,
+        slot_mapping=slot_mapping,
+        page_table=table,
+        page_size=page_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return extras, pos, attention
 
 
 def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) -> np.ndarray:
@@ -153,30 +169,13 @@ def build_draft_input(
     """Inputs for a drafter's own forward over (request, start position, tokens) — catch-up or one
     draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
     ids = [t for _, _, tokens in feeds for t in tokens]
-    ctx = [np.arange(start, start + len(tokens), dtype=np.int64) for _, start, tokens in feeds]
-    slots = [
-        np.asarray(req.pages, dtype=np.int64)[c // page_size] * page_size + c % page_size
-        for (req, _, _), c in zip(feeds, ctx, strict=True)
-    ]
     query_lens = [len(tokens) for _, _, tokens in feeds]
-    seq_lens = [start + len(tokens) for _, start, tokens in feeds]
-    host = [
-        ids,
-        np.concatenate(ctx),
-        np.cumsum(query_lens) - 1,
-        np.concatenate([[0], np.cumsum(query_lens)]),
-        seq_lens,
-        np.concatenate(slots),
-        _page_table([req for req, _, _ in feeds], seq_lens, page_size),
-    ]
-    input_ids, pos, last, query_start, seq_lens_t, slot_mapping, table = _to_device(host, device)
-    attention = AttentionBatch(
-        query_start=query_start,
-        seq_lens=seq_lens_t,
-        slot_mapping=slot_mapping,
-        page_table=table,
-        page_size=page_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+    (input_ids, last), pos, attention = _batch_tensors(
+        [req for req, _, _ in feeds],
+        [start for _, start, _ in feeds],
+        query_lens,
+        [ids, np.cumsum(query_lens) - 1],
+        page_size,
+        device,
     )
     return DraftInput(input_ids, pos, attention, last)
