@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in the interpreter. It must be chosen before anything imports
+# triton: helpers inside triton.language are jitted at import time, in whichever mode is set then.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
 

@@ -1,19 +1,15 @@
 """The fused top-1 draft kernel against softmax + argmax: random and adversarial logits.
 
-On the CPU it runs under TRITON_INTERPRET=1 (set before triton is imported); on a GPU, natively.
+On the CPU it runs under TRITON_INTERPRET=1 (conftest.py sets it before triton is imported); on a
+GPU, natively.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref  # noqa: E402
+from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
