@@ -12,3 +12,15 @@ if __name__ == "kernels":
         "the specserve checkout is on sys.path, so its kernels/ folder shadows the PyPI package `kernels`; "
         "run the installed `specserve` / `pytest` commands (or `python -P`) instead"
     )
+
+import os as _os
+
+
+def use_triton(device) -> bool:
+    """Whether the engine calls a Triton kernel or its torch reference on `device`.
+
+    Kernels run natively on CUDA. On the CPU the engine takes the references, unless
+    SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (tests of the engine's
+    kernel path; the interpreter is far too slow to serve with).
+    """
+    return getattr(device, "type", device) == "cuda" or _os.environ.get("SPECSERVE_TRITON_CPU") == "1"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
 from specserve.types import SamplingParams
 
 
@@ -38,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--page-size", type=int, default=1)
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    parser.add_argument("--speculative", default=None, help="also run with this speculative method (ngram)")
-    parser.add_argument("--num-steps", type=int, default=4, help="draft tokens per step with --speculative")
+    add_speculative_arguments(parser)  # with --speculative, runs with and without it
     parser.add_argument(
         "--hf", action="store_true", help="also time HF transformers generate in this process"
     )
@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions]
     engines = {"specserve": llm}
-    if args.speculative:
-        spec = {"method": args.speculative, "num_steps": args.num_steps}
+    spec = speculative_from_args(args)
+    if spec:
         name = f"specserve-{args.speculative}-{args.num_steps}"
         engines[name] = _engine(args, llm.engine.loaded, spec, max(batch_sizes))
     hf = _load_hf(llm) if args.hf else None

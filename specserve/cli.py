@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
@@ -21,8 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--speculative", default=None, help="speculative method (ngram), default off")
-    gen.add_argument("--num-steps", type=int, default=4, help="draft tokens per step with --speculative")
+    add_speculative_arguments(gen)
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--json", action="store_true", help="print the full result (text, ids, meta) as JSON")
@@ -47,7 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        spec = {"method": args.speculative, "num_steps": args.num_steps} if args.speculative else None
+        spec = speculative_from_args(args)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, speculative=spec)
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

@@ -52,7 +52,7 @@ class SchedulerConfig:
         _require(self.max_batched_tokens >= 1, "max_batched_tokens", "must be >= 1")
 
 
-SPEC_METHODS = ("ngram", "standalone")
+SPEC_METHODS = ("ngram", "standalone", "eagle", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,18 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None  # chain drafting: num_steps
     ngram_min_match: int = 1
     ngram_max_match: int = 4
-    # standalone: a smaller model with the target's tokenizer (asset name, .gguf or HF folder)
+    # standalone: a smaller model with the target's tokenizer (asset name, .gguf or HF folder);
+    # eagle / eagle3 / mtp: the HF folder of the head (layouts in specserve/model/head_checkpoint.py)
     draft_model: str | None = None
 
     def validate(self) -> None:
         _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {list(SPEC_METHODS)}")
         _require(
-            (self.method == "standalone") == (self.draft_model is not None),
+            (self.method != "ngram") == (self.draft_model is not None),
             "speculative.draft_model",
-            "is required by method 'standalone' and only used by it",
+            f"is required by method {self.method!r}"
+            if self.method != "ngram"
+            else "is not used by method 'ngram'",
         )
         _require(
             isinstance(self.num_steps, int) and 1 <= self.num_steps <= 64,

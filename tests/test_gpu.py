@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specserve import LLM, SamplingParams
+from specserve.model.head_checkpoint import random_head, save_head
 
 from engine_utils import hf_greedy, hf_last_logits, last_logits, max_rel_error
 
@@ -50,11 +51,7 @@ def _compare(llm, ref, prompts) -> dict:
     for prompt, out in zip(prompts, outs, strict=True):
         theirs = hf_greedy(ref, prompt, NEW_TOKENS)
         matches += out.token_ids == theirs
-        common = next(
-            (i for i, (a, b) in enumerate(zip(out.token_ids, theirs, strict=False)) if a != b),
-            min(len(out.token_ids), len(theirs)),
-        )
-        prefix.append(common)
+        prefix.append(_common_prefix(out.token_ids, theirs))
     return {
         "prompts": len(prompts),
         "greedy_identical_prompts": matches,
@@ -89,21 +86,43 @@ def test_bf16_parity_figures(smollm2_gguf, mtbench_questions):
     assert figures["max_rel_logit_err"] < 0.05
 
 
-def test_bf16_speculative_greedy_match_rate(smollm2_gguf, mtbench_questions):
-    """n-gram speculation in bf16: verify runs k+1 query rows where plain decode runs one, so near-ties
-    may flip; report how often the 64-token greedy outputs still agree."""
-    plain = LLM(str(smollm2_gguf), device="cuda", dtype="bfloat16", max_total_tokens=16384)
-    spec = LLM(
-        plain.engine.loaded,
-        device="cuda",
-        dtype="bfloat16",
-        max_total_tokens=16384,
-        speculative={"method": "ngram", "num_steps": 4},
-    )
-    prompts = _prompts(plain, mtbench_questions)
+@pytest.fixture(scope="module")
+def bf16_plain(smollm2_gguf):
+    return LLM(str(smollm2_gguf), device="cuda", dtype="bfloat16", max_total_tokens=16384)
+
+
+@pytest.mark.parametrize("method", ["ngram", "standalone", "eagle", "eagle3", "mtp"])
+def test_bf16_speculative_greedy_match_rate(bf16_plain, mtbench_questions, method, tmp_path):
+    """Speculation in bf16: verify runs k+1 query rows where plain decode runs one, so near-ties may
+    flip; report how often the 64-token greedy outputs still agree with plain decoding. Standalone is
+    a self-draft (every draft accepted); the heads are random (almost every draft rejected)."""
+    loaded = bf16_plain.engine.loaded
+    spec = {"method": method, "num_steps": 4}
+    if method == "standalone":
+        spec["draft_model"] = str(loaded.location.path)
+    elif method != "ngram":
+        kwargs = {"eagle3": {"draft_vocab_size": 8192}, "mtp": {"num_modules": 2}}.get(method, {})
+        config, tensors = random_head(method, loaded.arch, seed=3, init_std=0.02, **kwargs)
+        spec["draft_model"] = str(save_head(tmp_path / method, config, tensors))
+    llm = LLM(loaded, device="cuda", dtype="bfloat16", max_total_tokens=16384, speculative=spec)
+    prompts = _prompts(bf16_plain, mtbench_questions)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    a, b = plain.generate(prompts, params), spec.generate(prompts, params)
+    a, b = bf16_plain.generate(prompts, params), llm.generate(prompts, params)
     identical = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+    prefix = [_common_prefix(x.token_ids, y.token_ids) for x, y in zip(a, b, strict=True)]
     accept = sum(o.meta["completion_tokens"] for o in b) / sum(o.meta["spec_verify_ct"] for o in b)
-    _report("bf16_ngram_vs_plain", {"prompts": len(prompts), "identical": identical, "accept_length": accept})
+    _report(
+        f"bf16_{method}_vs_plain",
+        {
+            "prompts": len(prompts),
+            "identical": identical,
+            "match_rate": identical / len(prompts),
+            "mean_matching_prefix_tokens": sum(prefix) / len(prefix),
+            "accept_length": accept,
+        },
+    )
     assert all(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -36,7 +36,7 @@ def test_prefix_cache_match_evict_and_flush():
     a = _req("a", [1, 2, 3, 4, 5, 6, 7])
     assert kv.reserve(a, 7)
     a.num_computed = 7
-    kv.commit(a)
+    kv.commit(a, a.num_computed)
     assert len(a.page_digests) == 3  # the partial last page is not offered
     kv.free(a)
     assert kv.pool.num_evictable == 3
@@ -59,7 +59,7 @@ def test_prefix_match_leaves_a_token_to_compute_and_respects_logprob_start():
     a = _req("a", [5, 6, 7, 8])
     kv.reserve(a, 4)
     a.num_computed = 4
-    kv.commit(a)
+    kv.commit(a, a.num_computed)
     kv.free(a)
     same = _req("same", [5, 6, 7, 8])
     kv.match_prefix(same)

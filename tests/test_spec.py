@@ -9,9 +9,10 @@ from scipy.stats import chisquare
 
 from specserve import LLM, SamplingParams
 from specserve.engine.sampler import SamplingRow, filtered_probs_ref
+from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.spec.ngram import NgramDrafter
-from specserve.spec.verify import emitted_tokens, verify_rows
+from specserve.spec.verify import verify_chains
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +104,24 @@ def test_stops_inside_an_accepted_chain(loaded, prompts):
     assert capped.token_ids == free.token_ids[:7]
 
 
-@pytest.mark.parametrize("method", ["ngram", "standalone"])
-def test_logprobs_equal_prefill_scoring(loaded, prompts, method):
+@pytest.fixture(scope="module")
+def random_heads(loaded, tmp_path_factory):
+    """Random EAGLE / EAGLE-3 (reduced vocabulary) / 2-layer MTP heads shaped for SmolLM2."""
+    root = tmp_path_factory.mktemp("heads")
+    shapes = {"eagle": {}, "eagle3": {"draft_vocab_size": 8192}, "mtp": {"num_modules": 2}}
+    return {
+        method: save_head(root / method, *random_head(method, loaded.arch, seed=3, init_std=0.02, **kwargs))
+        for method, kwargs in shapes.items()
+    }
+
+
+@pytest.mark.parametrize("method", ["ngram", "standalone", "eagle", "eagle3", "mtp"])
+def test_logprobs_equal_prefill_scoring(loaded, prompts, random_heads, method):
     spec = {"method": method, "num_steps": 4}
     if method == "standalone":
         spec["draft_model"] = str(loaded.location.path)  # self-draft: long accepted chains
+    elif method != "ngram":
+        spec["draft_model"] = str(random_heads[method])
     llm = _llm(loaded, spec)
     prompt = _ids(prompts[0])
     probes = [1, 2, 10, 100, 1000]
@@ -122,7 +136,8 @@ def test_logprobs_equal_prefill_scoring(loaded, prompts, method):
             logprob_start_len=0,
         ),
     )[0]
-    assert out.meta["spec_verify_ct"] < len(out.token_ids)
+    if method in ("ngram", "standalone"):  # random heads rarely guess a real model's next token
+        assert out.meta["spec_verify_ct"] < len(out.token_ids)
     assert out.meta["spec_accepted_tokens"] <= out.meta["spec_draft_tokens"]
     scored = llm.generate(
         [prompt + out.token_ids],
@@ -174,23 +189,26 @@ def test_seeded_sampling_with_speculation_is_reproducible(loaded, prompts):
     ],
 )
 def test_rejection_sampling_emits_the_target_distribution(row):
-    """χ² of the first emitted token over many seeds: drafted or not, it is distributed as p_0."""
+    """χ² of the first emitted token over many seeds with a deterministic (n-gram-like) draft that is
+    plausible but not the mode: drafted or not, it is distributed as p_0."""
     vocab, draws = 12, 20000
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3), dtype=torch.float32) * 1.5
     expected = filtered_probs_ref(logits[0], row).numpy()
-    draft = [int(np.argsort(expected)[-2]), int(np.argmax(expected))]  # a plausible but not-top first draft
-    rows, drafts, logit_rows = [], [], []
-    for seed in range(draws):
-        for j in range(2):
-            rows.append(SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, seed, j))
-            drafts.append(draft[j] if j < 1 else None)
-            logit_rows.append(j)
-    result = verify_rows(logits[logit_rows], rows, drafts, None)
-    first = [emitted_tokens(result, range(2 * s, 2 * s + 2), draft[:1])[0] for s in range(draws)]
-    counts = np.bincount(first, minlength=vocab)
+    draft = int(np.argsort(expected)[-2])
+    rows = [_row(row, seed, j) for seed in range(draws) for j in range(2)]
+    chains = verify_chains(logits[[0, 1] * draws], rows, [[draft]] * draws)
+    _assert_follows([c[0] for c in chains], expected)
+
+
+def _row(row: SamplingRow, seed: int, counter: int) -> SamplingRow:
+    return SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, seed, counter)
+
+
+def _assert_follows(samples: list[int], expected: np.ndarray) -> None:
+    counts = np.bincount(samples, minlength=expected.size)
     keep = expected > 0
-    assert counts[~keep].sum() == 0
-    stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * draws)
+    assert counts[~keep].sum() == 0, "a token outside the filtered support was emitted"
+    stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * len(samples))
     assert stat.pvalue > 1e-3, stat
 
 
@@ -198,31 +216,52 @@ def test_rejection_sampling_emits_the_target_distribution(row):
     "row",
     [
         SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0),
-        SamplingRow(temperature=0.8, top_k=6, top_p=0.95, min_p=0.0, seed=0, counter=0),
+        SamplingRow(temperature=0.8, top_k=4, top_p=0.9, min_p=0.0, seed=0, counter=0),
     ],
 )
-def test_rejection_sampling_with_a_draft_distribution(row):
-    """A drafter that samples d ~ q (as model drafters do): accept min(1, p/q), else draw from
-    norm(max(p - q, 0)). The first emitted token must still follow p exactly (χ²)."""
-    vocab, draws = 10, 20000
-    g = torch.Generator().manual_seed(7)
-    logits = torch.randn(2, vocab, generator=g) * 1.5
-    q = torch.softmax(torch.randn(vocab, generator=g) * 1.5, dim=0)  # a different, full-support draft
-    expected = filtered_probs_ref(logits[0], row).numpy()
-    drawn = np.random.default_rng(0).choice(vocab, size=draws, p=q.double().numpy() / q.double().sum().item())
-    rows, drafts, draft_probs = [], [], []
-    for seed in range(draws):
-        rows += [SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, seed, j) for j in range(2)]
-        drafts += [int(drawn[seed]), None]
-        draft_probs += [q, torch.zeros(vocab)]
-    result = verify_rows(logits[[0, 1] * draws], rows, drafts, None, torch.stack(draft_probs))
-    first = [emitted_tokens(result, range(2 * s, 2 * s + 2), [int(drawn[s])])[0] for s in range(draws)]
-    counts = np.bincount(first, minlength=vocab)
-    keep = expected > 0
-    assert counts[~keep].sum() == 0
-    assert 0 < sum(result.accepted[0::2]) < draws  # both branches exercised
-    stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * draws)
-    assert stat.pvalue > 1e-3, stat
+def test_rejection_sampling_over_two_positions(row):
+    """Drafts sampled from a drafter's own conditional q (as model drafters do): accept min(1, p/q),
+    else draw from norm(max(p - q, 0)), bonus token when all are accepted. The joint distribution
+    of the first two emitted tokens must be the target's p0(a) p1(b | a) exactly (χ² over all
+    pairs). Where the first step stops early, a second step drafts and verifies the next position
+    given the emitted token, as the engine does."""
+    vocab, draws = 6, 24000
+    g = torch.Generator().manual_seed(11)
+    target = [torch.randn(vocab, generator=g) * 1.5, torch.randn(vocab, vocab, generator=g) * 1.5]
+    drafter = [torch.randn(vocab, generator=g) * 1.5, torch.randn(vocab, vocab, generator=g) * 1.5]
+    p0 = filtered_probs_ref(target[0], row)
+    q0 = filtered_probs_ref(drafter[0], row)
+    q1 = torch.stack([filtered_probs_ref(drafter[1][a], row) for a in range(vocab)])
+    rng = np.random.default_rng(0)
+
+    def draw(q: torch.Tensor) -> int:
+        return int(rng.choice(vocab, p=q.numpy() / q.sum().item()))
+
+    first = [draw(q0) for _ in range(draws)]
+    second = [draw(q1[a]) for a in first]
+    logits = torch.stack([target[0], *target[1]])  # row 0: p0; row 1 + a: p1(. | a)
+    index, rows, probs = [], [], []
+    for seed, (a, b) in enumerate(zip(first, second, strict=True)):
+        index += [0, 1 + a, 1 + b]  # the bonus row's logits do not matter here
+        rows += [_row(row, seed, j) for j in range(3)]
+        probs += [q0, q1[a], torch.zeros(vocab)]
+    chains = verify_chains(
+        logits[index], rows, list(zip(first, second, strict=True)), None, torch.stack(probs)
+    )
+    short = [s for s, c in enumerate(chains) if len(c) < 2]
+    assert 0 < len(short) < draws and any(len(c) == 3 for c in chains)  # every branch exercised
+    redraft = [draw(q1[chains[s][0]]) for s in short]
+    index, rows, probs = [], [], []
+    for s in short:
+        index += [1 + chains[s][0], 0]
+        rows += [_row(row, s, 1), _row(row, s, 2)]
+        probs += [q1[chains[s][0]], torch.zeros(vocab)]
+    followers = verify_chains(logits[index], rows, [[d] for d in redraft], None, torch.stack(probs))
+    for s, follow in zip(short, followers, strict=True):
+        chains[s] = chains[s] + follow[:1]
+    pairs = [c[0] * vocab + c[1] for c in chains]
+    p1 = torch.stack([filtered_probs_ref(target[1][a], row) for a in range(vocab)])
+    _assert_follows(pairs, (p0[:, None] * p1).flatten().numpy())
 
 
 def test_standalone_self_draft_accepts_every_draft(loaded, prompts):

@@ -30,9 +30,9 @@ LLAMA3_ROPE = {
 }
 
 
-def _shape(tokenizer: PreTrainedTokenizerBase) -> dict:
+def _shape(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> dict:
     return dict(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,
@@ -45,10 +45,13 @@ def _shape(tokenizer: PreTrainedTokenizerBase) -> dict:
     )
 
 
-def save_tiny_llama3(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> Path:
-    """3 layers, GQA 4/2, llama3 rope scaling, theta 500000, untied lm_head."""
+def save_tiny_llama3(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None
+) -> Path:
+    """3 layers, GQA 4/2, llama3 rope scaling, theta 500000, untied lm_head. A `vocab_size` below the
+    tokenizer's makes a small-vocabulary target (prompts as ids), where random drafts get accepted."""
     config = LlamaConfig(
-        **_shape(tokenizer),
+        **_shape(tokenizer, vocab_size),
         num_hidden_layers=3,
         rope_theta=500000.0,
         rope_scaling=dict(LLAMA3_ROPE),
@@ -57,9 +60,11 @@ def save_tiny_llama3(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> Pa
     return _save(LlamaForCausalLM, config, path, tokenizer)
 
 
-def save_tiny_qwen2(path: str | Path, tokenizer: PreTrainedTokenizerBase) -> Path:
+def save_tiny_qwen2(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None
+) -> Path:
     """2 layers, GQA 4/2, q/k/v bias (always on in Qwen2), tied embeddings."""
-    config = Qwen2Config(**_shape(tokenizer), num_hidden_layers=2, tie_word_embeddings=True)
+    config = Qwen2Config(**_shape(tokenizer, vocab_size), num_hidden_layers=2, tie_word_embeddings=True)
     return _save(Qwen2ForCausalLM, config, path, tokenizer)
 
 

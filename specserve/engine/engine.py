@@ -26,10 +26,13 @@ from specserve.engine.sampler import SamplingRow
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
+from specserve.model.head_checkpoint import load_head
 from specserve.model.loader import LoadedModel, load_model
+from specserve.spec.drafter import Drafter, TargetFeed
+from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.standalone import StandaloneDrafter
-from specserve.spec.verify import emitted_tokens, verify_rows
+from specserve.spec.verify import verify_chains
 from specserve.types import RequestOutput, SamplingParams
 
 CPU_DEFAULT_TOKENS = 65536  # the CPU pool is allocated lazily, so a generous default costs little
@@ -102,9 +105,12 @@ class Engine:
             return outputs
         inp = build_step_input(items, self.kv.page_size, self.device)
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
-        hidden = self.model(inp.input_ids, inp.positions, ctx)
+        capture = self.drafter.capture if self.drafter is not None else None
+        hidden, aux = self.model.forward_features(inp.input_ids, inp.positions, ctx, capture or ())
         logits = self.model.compute_logits(hidden[inp.logit_rows])
         emitted = self._verify(items, inp, logits)
+        if capture is not None:
+            self.drafter.after_target(_target_feeds(items, emitted), hidden if aux is None else aux)
         records = step_logprobs(items, inp, logits, emitted)
         for index, item in enumerate(items):
             out = self._postprocess(item, emitted.get(index), records.get(index))
@@ -161,15 +167,17 @@ class Engine:
                 f"max_new_tokens: prompt + max_new_tokens ({total}) exceeds the KV cache ({self.kv.capacity_tokens} tokens)"
             )
 
-    def _make_drafter(self, num_pages: int) -> NgramDrafter | StandaloneDrafter:
+    def _make_drafter(self, num_pages: int) -> Drafter:
         spec = self.config.speculative
+        page_size = self.config.cache.page_size
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min_match, spec.ngram_max_match)
+        if spec.method in ("eagle", "eagle3", "mtp"):
+            head = load_head(spec.draft_model, spec.method, self.model, self.device, self.dtype)
+            return HeadDrafter(head, self.arch.vocab_size, num_pages, page_size)
         same = spec.draft_model == self.config.model
         draft = self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)
-        return StandaloneDrafter(
-            draft, self.arch.vocab_size, num_pages, self.config.cache.page_size, self.dtype, self.device
-        )
+        return StandaloneDrafter(draft, self.arch.vocab_size, num_pages, page_size, self.dtype, self.device)
 
     def _num_pages(self) -> int:
         cache = self.config.cache
@@ -217,35 +225,31 @@ class Engine:
             return {}
         rows: list[SamplingRow] = []
         owners: list[Request] = []
-        drafts: list[int | None] = []
         for index in inp.sample_items:
             item = items[index]
             for j in range(len(item.draft) + 1):
                 rows.append(item.request.sampling_row(item.request.num_output + j))
                 owners.append(item.request)
-                drafts.append(item.draft[j] if j < len(item.draft) else None)
-        draft_probs = self._draft_probs(items, inp, logits)
-        result = verify_rows(
-            logits[inp.sample_logit_rows], rows, drafts, self._banned(rows, owners), draft_probs
+        chains = verify_chains(
+            logits[inp.sample_logit_rows],
+            rows,
+            [items[i].draft for i in inp.sample_items],
+            self._banned(rows, owners),
+            self._draft_probs(items, inp, logits),
         )
-        emitted, offset = {}, 0
-        for index in inp.sample_items:
-            draft = items[index].draft
-            emitted[index] = emitted_tokens(result, range(offset, offset + len(draft) + 1), draft)
-            offset += len(draft) + 1
-        return emitted
+        return dict(zip(inp.sample_items, chains, strict=True))
 
     @staticmethod
     def _draft_probs(items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
-        """[rows, V] distributions the drafts were drawn from (zero rows for bonus rows), or None when
-        every draft is deterministic."""
+        """[rows, V] distributions sampled drafts were drawn from; zero rows for deterministic drafts
+        (n-gram, greedy requests) and bonus rows. None when every draft is deterministic."""
         if not any(items[i].request.draft_probs is not None for i in inp.sample_items):
             return None
         blocks = []
         for index in inp.sample_items:
             item = items[index]
             block = torch.zeros(len(item.draft) + 1, logits.shape[1], device=logits.device)
-            if item.draft:
+            if item.draft and item.request.draft_probs is not None:
                 block[: len(item.draft)] = item.request.draft_probs[: len(item.draft)]
             blocks.append(block)
         return torch.cat(blocks)
@@ -271,7 +275,7 @@ class Engine:
         req = item.request
         # Known tokens now have KV, and so do the accepted drafts (all emitted tokens but the last).
         req.num_computed = item.start + item.num_known + (len(tokens) - 1 if tokens else 0)
-        self.kv.commit(req)
+        self.kv.commit(req, self._cacheable(req))
         if records is not None:
             req.input_logprobs.extend(records.inputs)
         if item.completes and req.prefill_only:
@@ -296,6 +300,13 @@ class Engine:
         if not req.finished:
             self.kv.trim(req, len(req.token_ids))
         return self._emit(req, delta)
+
+    def _cacheable(self, req: Request) -> int:
+        """Leading tokens whose KV pages may enter the prefix cache: a model drafter's KV lives on
+        the same pages, so a page is shared only once the drafter's entries in it are valid too."""
+        if self.drafter is None or not self.drafter.needs_pages:
+            return req.num_computed
+        return min(req.num_computed, req.draft_computed)
 
     @staticmethod
     def _count_verify(req: Request, drafted: int, accepted: int) -> None:
@@ -334,6 +345,19 @@ class Engine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _target_feeds(items: list[ScheduledItem], emitted: dict[int, list[int]]) -> list[TargetFeed]:
+    """Per item, the positions whose target features this step produced and whose next token is now
+    known (verified or prompt tokens), with those next tokens: what a hidden-state drafter extends."""
+    feeds, offset = [], 0
+    for index, item in enumerate(items):
+        req, new = item.request, emitted.get(index, [])
+        tokens = req.token_ids[item.start + 1 : item.start + item.num_known + 1] + new
+        rows = range(offset, offset + len(tokens))
+        feeds.append(TargetFeed(req, item.start, tokens, rows, bool(new), req.num_output + len(new)))
+        offset += item.num_tokens
+    return feeds
 
 
 def _stop_ids(req: Request) -> frozenset[int]:

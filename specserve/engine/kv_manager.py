@@ -31,7 +31,8 @@ class KVManager:
             return
         pages, digests = self.prefix_cache.match(req.token_ids, req.max_prefix_match())
         req.pages, req.page_digests = pages, digests
-        req.num_computed = len(pages) * self.page_size
+        # Cached pages hold valid drafter KV too (only such pages are offered to the cache).
+        req.num_computed = req.draft_computed = len(pages) * self.page_size
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Make sure `req` holds pages for its first `num_tokens` tokens; False when the pool is short."""
@@ -51,12 +52,12 @@ class KVManager:
             self.pool.release(reversed(req.pages[keep:]))
             del req.pages[keep:]
 
-    def commit(self, req: Request) -> None:
-        """Offer the request's newly completed pages to the prefix cache."""
+    def commit(self, req: Request, upto: int) -> None:
+        """Offer the request's newly completed pages among its first `upto` tokens to the prefix cache."""
         if self.prefix_cache is None:
             return
         ps = self.page_size
-        while (len(req.page_digests) + 1) * ps <= req.num_computed:
+        while (len(req.page_digests) + 1) * ps <= min(upto, req.num_computed):
             i = len(req.page_digests)
             parent = req.page_digests[-1] if req.page_digests else ROOT
             digest = page_digest(parent, req.token_ids[i * ps : (i + 1) * ps])
@@ -68,6 +69,7 @@ class KVManager:
         self.pool.release(reversed(req.pages))
         req.pages, req.page_digests = [], []
         req.num_computed = req.draft_computed = 0
+        req.draft_state = None
 
     def flush(self) -> None:
         if self.prefix_cache is not None:

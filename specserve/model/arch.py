@@ -57,9 +57,12 @@ _HF_ARCH_BY_MODEL_TYPE = {
 }
 
 
-def arch_from_hf_config(cfg: dict) -> ModelArch:
-    """Parse an HF ``config.json`` (transformers 4.x or 5.x layout) of a supported decoder."""
-    name = _hf_architecture(cfg)
+def arch_from_hf_config(cfg: dict, architecture: str | None = None) -> ModelArch:
+    """Parse an HF ``config.json`` (transformers 4.x or 5.x layout) of a supported decoder.
+
+    `architecture` overrides the config's own (draft heads name theirs ``LlamaForCausalLMEagle3``
+    and the like, but their decoder layers are Llama layers)."""
+    name = architecture or _hf_architecture(cfg)
     _refuse_unsupported_features(name, cfg)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]

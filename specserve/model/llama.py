@@ -14,16 +14,19 @@ from torch import nn
 from specserve.attention.backend import AttentionContext
 from specserve.model.arch import ModelArch
 from specserve.model.layers import RMSNorm, RotaryEmbedding, StackedLinear, SwiGLU
+from specserve.model.weights import load_stacked_weights
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    """`layer` indexes the KV cache; `in_features` is wider than hidden in EAGLE-3's draft layer."""
+
+    def __init__(self, arch: ModelArch, layer: int, in_features: int | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = StackedLinear(
-            arch.hidden_size,
+            in_features or arch.hidden_size,
             {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
             bias=arch.attention_bias,
         )
@@ -44,9 +47,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    """Pre-norm attention and MLP blocks; EAGLE-1 heads drop the first layer's input norm."""
+
+    def __init__(self, arch: ModelArch, layer: int, input_norm: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if input_norm else nn.Identity()
         self.self_attn = Attention(arch, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
@@ -82,61 +87,42 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        return self.forward_features(input_ids, positions, ctx)[0]
+
+    @torch.inference_mode()
+    def forward_features(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        capture: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final-normed hidden states [T, H], and the residual stream after each layer in `capture`
+        concatenated [T, len(capture) * H] (what EAGLE-3 heads fuse), or None."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self.rope, ctx)
-        return self.model.norm(x)
+            if i in capture:
+                captured[i] = x
+        if not capture:
+            return self.model.norm(x), None
+        if len(captured) != len(set(capture)):
+            raise ValueError(
+                f"capture: layer ids {capture} outside the model's {len(self.model.layers)} layers"
+            )
+        return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in (q/k/v and gate/up into their stacked matmuls), casting to each
-        parameter's dtype; every parameter row must be covered exactly once."""
-        params = dict(self.named_parameters())
-        filled: dict[str, int] = dict.fromkeys(params, 0)
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                    continue
-                target, rows = self._destination(name, params)
-                if target.shape[1:] != tensor.shape[1:] or target[rows].shape[0] != tensor.shape[0]:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit the model")
-                target[rows].copy_(tensor.to(target.dtype))
-                filled[self._param_name(name)] += tensor.shape[0]
-        missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+        """Copy HF-named tensors in (q/k/v and gate/up into their stacked matmuls)."""
         if self.arch.tie_word_embeddings:
-            missing = [n for n in missing if n != "lm_head.weight"]
-        if missing:
-            raise ValueError(f"checkpoint lacks tensors for: {missing[:5]}")
-
-    def _param_name(self, name: str) -> str:
-        for shard, stacked in _STACKED.items():
-            if f".{shard}." in name:
-                return name.replace(f".{shard}.", f".{stacked}.")
-        return name
-
-    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter, slice]:
-        param_name = self._param_name(name)
-        if param_name not in params:
-            raise ValueError(f"checkpoint has a tensor the model does not: {name}")
-        if param_name == name:
-            return params[name], slice(None)
-        module = self.get_submodule(param_name.rsplit(".", 1)[0])
-        shard = next(s for s in _STACKED if f".{s}." in name)
-        return params[param_name], module.shard_rows(shard)
-
-
-# Checkpoint projection -> the stacked module that holds it.
-_STACKED = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-}
+            tensors = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
+        optional = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
+        load_stacked_weights(self, tensors, optional)

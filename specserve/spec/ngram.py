@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specserve.spec.drafter import Drafter
 
-class NgramDrafter:
-    needs_pages = False
 
+class NgramDrafter(Drafter):
     def __init__(self, min_match: int, max_match: int) -> None:
         self.min_match, self.max_match = min_match, max_match
 

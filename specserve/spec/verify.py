@@ -13,7 +13,6 @@ target's own samples (invariants 1 and 2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -25,57 +24,63 @@ from specserve.engine.sampler import (
     sample_from_probs,
     uniform_noise,
 )
+from specserve_kernels import use_triton
+from specserve_kernels.verify_chain import verify_chain, verify_chain_ref
 
-ACCEPT_SALT = 1  # the accept test's uniforms: a stream independent of the sampling race's
-DRAFT_SALT = 2  # a drafter sampling its proposals draws with this stream
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    accepted: list[bool]  # per row: its draft token was accepted (False where a row has no draft)
-    replacement: list[int]  # per row: the token emitted if the chain stops at this row
+ACCEPT_SALT = 1  # the accept test's uniforms: a stream independent of the sampling race's (and the drafts')
 
 
-def verify_rows(
+def verify_chains(
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],
-    drafts: Sequence[int | None],
-    banned: torch.Tensor | None,
+    drafts: Sequence[Sequence[int]],
+    banned: torch.Tensor | None = None,
     draft_probs: torch.Tensor | None = None,
-) -> VerifyResult:
-    """`drafts[j]` is the draft token row j tests (None: a bonus row); `draft_probs` [R, V] the
-    distributions they were drawn from (None: deterministic drafts). One host copy at the end."""
+) -> list[list[int]]:
+    """The tokens each chain emits: its accepted prefix of drafts, then one corrected or bonus token.
+
+    Chain b owns `len(drafts[b]) + 1` consecutive rows of `logits` [R, V] (and of `rows`, `banned`,
+    `draft_probs`): one per draft token, then the bonus row. `draft_probs` [R, V] holds the
+    distribution each sampled draft was drawn from; a draft row whose q is zero at its token (or no
+    `draft_probs` at all) is deterministic (n-gram lookup, a greedy request's draft): q = one-hot.
+    One host copy at the end."""
     batch = SamplingBatch.build(rows, logits.device)
-    has_draft = [d is not None for d in drafts]
-    if not any(has_draft):
-        return VerifyResult([False] * len(rows), sample(logits, batch, banned).tolist())
-    draft = torch.tensor([d if d is not None else 0 for d in drafts], dtype=torch.long)
-    draft_mask = torch.tensor(has_draft, dtype=torch.bool)
-    draft, draft_mask = draft.to(logits.device), draft_mask.to(logits.device)
+    if not any(drafts):
+        return [[t] for t in sample(logits, batch, banned).tolist()]
+    device = logits.device
+    counts = [len(d) for d in drafts]
+    flat = [t for chain in drafts for t in (*chain, 0)]
+    has = [j < n for n in counts for j in range(n + 1)]
+    host = torch.tensor([flat, has, [*_starts(counts), *[0] * (len(flat) - len(counts))]], dtype=torch.long)
+    draft, mask, starts = host.to(device, non_blocking=True).unbind(0)
+    starts = starts[: len(counts)]
     probs = filtered_probs(logits, batch, banned)
-    if draft_probs is None:  # q = onehot(draft); scatter, not boolean indexing: no host sync
-        draft_probs = torch.zeros_like(probs).scatter_(1, draft[:, None], draft_mask[:, None].to(probs.dtype))
-    p_draft = probs.gather(1, draft[:, None]).squeeze(1)
-    q_draft = draft_probs.gather(1, draft[:, None]).squeeze(1)
+    one_hot = torch.zeros_like(probs).scatter_(1, draft[:, None], mask[:, None].to(probs.dtype))
+    if draft_probs is None:
+        q, kernel_q = one_hot, None
+    else:
+        draft_probs = draft_probs.to(probs.dtype)
+        deterministic = draft_probs.gather(1, draft[:, None]) == 0
+        q = kernel_q = torch.where(deterministic, one_hot, draft_probs)
     u = uniform_noise(batch.seed, batch.counter, 1, salt=ACCEPT_SALT)[:, 0]
-    # u < p/q, written without a division (q > 0 for any token the drafter could have drawn).
-    accepted = draft_mask & (u * q_draft < p_draft)
     # The residual is taken from the *filtered* p (filtering after removing q would let tokens outside
-    # top-k/top-p in); rows without a draft have q = 0 there, so they draw from p itself.
-    residual = (probs - draft_probs * draft_mask[:, None]).clamp_min(0.0)
+    # top-k/top-p in); bonus rows have q = 0, so they draw from p itself.
+    residual = (probs - q * mask[:, None]).clamp_min(0.0)
     # Rounding can leave a rejected row with no residual mass; p itself is the safe draw then.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
     replacement = sample_from_probs(residual, batch)
-    return VerifyResult(accepted.tolist(), replacement.tolist())
+    chain = verify_chain if use_triton(device) else verify_chain_ref
+    num_drafts = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
+    tokens, accepted = chain(
+        probs, draft, starts, num_drafts, u, replacement, kernel_q, max_drafts=max(counts), check_bounds=False
+    )
+    tokens, accepted = tokens.tolist(), accepted.tolist()
+    return [row[: a + 1] for row, a in zip(tokens, accepted, strict=True)]
 
 
-def emitted_tokens(result: VerifyResult, rows: range, drafts: Sequence[int]) -> list[int]:
-    """The tokens one request emits: its accepted prefix of drafts, then the first replacement."""
-    out: list[int] = []
-    for j, row in enumerate(rows):
-        if j < len(drafts) and result.accepted[row]:
-            out.append(drafts[j])
-            continue
-        out.append(result.replacement[row])
-        break
+def _starts(counts: list[int]) -> list[int]:
+    out, start = [], 0
+    for n in counts:
+        out.append(start)
+        start += n + 1
     return out

@@ -1,0 +1,296 @@
+"""Draft heads from HF-format folders, in the key layouts published checkpoints use; seeded random
+heads in the same layout for tests.
+
+A head folder holds `config.json` (Llama fields of the head's decoder layers) and safetensors files.
+q/k/v and gate/up are stored as separate projections, as published checkpoints store them.
+
+| method | config.json | tensors |
+|---|---|---|
+| `eagle` (EAGLE-1/2) | `num_hidden_layers`: the head's decoder layers (usually 1) | `fc.weight` [H, 2H] (+ `fc.bias`), `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.post_attention_layernorm.weight`, `layers.{i}.input_layernorm.weight` for i > 0 only; optional `embed_tokens.weight` |
+| `eagle3` | `num_hidden_layers` = 1, `draft_vocab_size`, optional `eagle_config.eagle_aux_hidden_state_layer_ids` | `fc.weight` [H, 3H], `midlayer.self_attn.*` (q/k/v read 2H), `midlayer.mlp.*`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `norm.weight`, `lm_head.weight` [V_draft, H], `d2t` [V_draft] (target id minus draft id), `t2d` (unused); optional `embed_tokens.weight` |
+| `mtp` (DeepSeek-V3) | `num_hidden_layers`: the target's L, `num_nextn_predict_layers`: k | `model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.norm}.weight`, the layer's `self_attn.*`, `mlp.*`, `input_layernorm`, `post_attention_layernorm`; optional `shared_head.head.weight`, `embed_tokens.weight`; other tensors (the target's own) are ignored |
+
+A leading `model.` on EAGLE / EAGLE-3 names is accepted. Embedding and lm_head default to the
+target's. EAGLE-3 reads the residual stream after target layers (1, L/2 - 1, L - 4) unless the
+config names others.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specserve.model.arch import ModelArch, arch_from_hf_config
+from specserve.model.draft_heads import HEAD_METHODS, DraftHead, HeadSpec
+from specserve.model.hf_loader import load_safetensors_folder, read_hf_config
+from specserve.model.layers import RotaryEmbedding, StackedLinear
+from specserve.model.llama import LlamaForCausalLM
+from specserve.model.weights import load_stacked_weights
+
+_ARCHITECTURES = {
+    "eagle": "LlamaForCausalLMEagle",
+    "eagle3": "LlamaForCausalLMEagle3",
+    "mtp": "LlamaForCausalLM",
+}
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high target layers, as EAGLE-3 training recipes pick them."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
+
+
+def load_head(
+    folder: str | Path, method: str, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+) -> DraftHead:
+    """The head in `folder`, on `device` in `dtype`, bound to `target`'s embedding and lm_head."""
+    folder = Path(folder)
+    if method not in HEAD_METHODS:
+        raise ValueError(f"speculative.method: {method!r} has no draft head (one of {list(HEAD_METHODS)})")
+    if not folder.is_dir():
+        raise ValueError(f"speculative.draft_model: {method} needs an HF folder with its head, not {folder}")
+    cfg = read_hf_config(folder)
+    stored = load_safetensors_folder(folder)
+    spec = head_spec(method, cfg, set(stored), target.arch)
+    tensors, d2t = _param_tensors(spec, cfg, stored)
+    with torch.device("meta"):
+        head = DraftHead(spec, target.arch.hidden_size)
+    head = head.to_empty(device=device).to(dtype)
+    try:
+        load_stacked_weights(head, tensors)
+    except ValueError as err:
+        raise ValueError(f"speculative.draft_model: {folder}: {err}") from None
+    head.rope = RotaryEmbedding(spec.arch).to(device)
+    if d2t is not None:
+        head.draft_to_target = (d2t.long() + torch.arange(d2t.shape[0])).to(device)
+    head.bind(target)
+    return head.eval()
+
+
+def head_spec(method: str, cfg: dict, names: set[str], target: ModelArch) -> HeadSpec:
+    """Read the head's shape from its config and which tensors it stores; check it fits the target."""
+    arch = arch_from_hf_config({**cfg, "vocab_size": target.vocab_size}, architecture="LlamaForCausalLM")
+    plain = {n.removeprefix("model.") for n in names}
+    if method == "eagle":
+        spec = HeadSpec(
+            method,
+            arch,
+            layers_per_module=arch.num_layers,
+            fc_bias="fc.bias" in plain,
+            own_embedding="embed_tokens.weight" in plain,
+            own_lm_head="lm_head.weight" in plain,
+        )
+    elif method == "eagle3":
+        spec = _eagle3_spec(cfg, plain, arch, target)
+    else:
+        spec = _mtp_spec(cfg, names, arch)
+    _check_fits(spec, cfg, target)
+    num_layers = spec.num_attention_layers
+    max_position = max(arch.max_position, target.max_position)
+    return _replace_arch(spec, num_layers=num_layers, max_position=max_position)
+
+
+def _eagle3_spec(cfg: dict, plain: set[str], arch: ModelArch, target: ModelArch) -> HeadSpec:
+    if arch.num_layers != 1:
+        raise ValueError("speculative.draft_model: EAGLE-3 heads with more than one layer are not supported")
+    eagle_cfg = cfg.get("eagle_config") or {}
+    aux = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers)
+    if any(not 0 <= i < target.num_layers for i in aux):
+        raise ValueError(f"speculative.draft_model: aux layer ids {list(aux)} outside the target's layers")
+    draft_vocab = cfg.get("draft_vocab_size") or target.vocab_size
+    own_head = "lm_head.weight" in plain
+    if draft_vocab != target.vocab_size and not (own_head and "d2t" in plain):
+        raise ValueError("speculative.draft_model: a reduced draft vocabulary needs lm_head.weight and d2t")
+    return HeadSpec(
+        "eagle3",
+        arch,
+        draft_vocab_size=draft_vocab if draft_vocab != target.vocab_size else None,
+        aux_layers=tuple(int(i) for i in aux),
+        fc_bias="fc.bias" in plain,
+        own_embedding="embed_tokens.weight" in plain,
+        own_lm_head=own_head,
+    )
+
+
+def _mtp_spec(cfg: dict, names: set[str], arch: ModelArch) -> HeadSpec:
+    k = cfg.get("num_nextn_predict_layers")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError("speculative.draft_model: an MTP config needs num_nextn_predict_layers >= 1")
+    first = arch.num_layers
+    heads = [f"model.layers.{first + i}.shared_head.head.weight" in names for i in range(k)]
+    embeds = f"model.layers.{first}.embed_tokens.weight" in names
+    return HeadSpec("mtp", arch, num_modules=k, own_embedding=embeds, own_lm_head=all(heads))
+
+
+def _check_fits(spec: HeadSpec, cfg: dict, target: ModelArch) -> None:
+    if spec.arch.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"speculative.draft_model: the head's hidden size ({spec.arch.hidden_size}) differs from the "
+            f"target's ({target.hidden_size})"
+        )
+    if cfg.get("vocab_size", target.vocab_size) != target.vocab_size:
+        raise ValueError(
+            f"speculative.draft_model: the head's vocabulary ({cfg['vocab_size']}) differs from the "
+            f"target's ({target.vocab_size})"
+        )
+
+
+def _replace_arch(spec: HeadSpec, **changes) -> HeadSpec:
+    return replace(spec, arch=replace(spec.arch, **changes))
+
+
+def _param_tensors(
+    spec: HeadSpec, cfg: dict, stored: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Checkpoint names -> DraftHead parameter names (and EAGLE-3's d2t offsets)."""
+    tensors: dict[str, torch.Tensor] = {}
+    d2t = None
+    for name, tensor in stored.items():
+        if spec.method == "mtp":
+            param = _mtp_param_name(name, cfg["num_hidden_layers"], spec.num_modules)
+        else:
+            plain = name.removeprefix("model.")
+            if plain == "d2t":
+                d2t = tensor
+                continue
+            param = None if plain == "t2d" else _plain_param_name(plain)
+        if param is not None:
+            tensors[param] = tensor
+    return tensors, d2t
+
+
+def _plain_param_name(name: str) -> str:
+    return name if name.startswith(("embed_tokens.", "lm_head.")) else f"step_modules.0.{name}"
+
+
+def _mtp_param_name(name: str, first: int, k: int) -> str | None:
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if match is None or not first <= int(match[1]) < first + k:
+        return None  # the target's own tensors, when the folder is the whole model
+    i, rest = int(match[1]) - first, match[2]
+    if rest.startswith("embed_tokens."):
+        return rest if i == 0 else None  # every MTP layer stores the same embedding
+    return f"step_modules.{i}.{rest}"
+
+
+# ---- seeded random heads (tests, and the starting point of training) -----------------------------
+
+
+def random_head(
+    method: str,
+    target: ModelArch,
+    *,
+    seed: int = 0,
+    num_modules: int = 1,
+    layers_per_module: int = 1,
+    draft_vocab_size: int | None = None,
+    init_std: float = 0.1,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, tensors in checkpoint names) of a head with seeded random weights that fits
+    `target`. Norm weights are randomised around 1 too, so a mixed-up norm cannot hide."""
+    gen = torch.Generator().manual_seed(seed)
+    reduced = draft_vocab_size is not None and draft_vocab_size < target.vocab_size
+    spec = HeadSpec(
+        method,
+        _head_arch(method, target, layers_per_module, num_modules),
+        num_modules=num_modules if method == "mtp" else 1,
+        layers_per_module=layers_per_module if method == "eagle" else 1,
+        draft_vocab_size=draft_vocab_size if reduced else None,
+        aux_layers=default_aux_layers(target.num_layers) if method == "eagle3" else (),
+        fc_bias=method == "eagle",
+        own_lm_head=reduced,
+    )
+    head = DraftHead(spec, target.hidden_size)
+    with torch.no_grad():
+        for name, param in head.named_parameters():
+            noise = torch.randn(param.shape, generator=gen) * init_std
+            param.copy_(1.0 + noise if "norm" in name else noise)
+    tensors = _checkpoint_tensors(head, target.num_layers)
+    if reduced:
+        ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab_size].sort().values
+        tensors["d2t"] = ids - torch.arange(draft_vocab_size)
+        tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    return _head_config(spec, target, num_modules), tensors
+
+
+def save_head(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors")
+    return folder
+
+
+def _head_arch(method: str, target: ModelArch, layers: int, modules: int) -> ModelArch:
+    count = {"eagle": layers, "eagle3": 1, "mtp": modules}[method]
+    return replace(target, num_layers=count, tie_word_embeddings=False, attention_bias=False)
+
+
+def _checkpoint_tensors(head: DraftHead, target_layers: int) -> dict[str, torch.Tensor]:
+    """The head's parameters under checkpoint names, stacked projections split back into shards."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in head.named_parameters():
+        owner_name, leaf = name.rsplit(".", 1)
+        owner = head.get_submodule(owner_name)
+        if isinstance(owner, StackedLinear):
+            for shard in owner.shards:
+                shard_name = f"{owner_name.rsplit('.', 1)[0]}.{shard}.{leaf}"
+                out[_checkpoint_name(head.spec, shard_name, target_layers)] = param[owner.shard_rows(shard)]
+        else:
+            out[_checkpoint_name(head.spec, name, target_layers)] = param.detach()
+    return {n: t.detach().clone() for n, t in out.items()}
+
+
+def _checkpoint_name(spec: HeadSpec, param: str, target_layers: int) -> str:
+    if spec.method != "mtp":
+        return param.removeprefix("step_modules.0.")
+    if param.startswith("embed_tokens."):
+        return f"model.layers.{target_layers}.{param}"
+    i, rest = param.removeprefix("step_modules.").split(".", 1)
+    return f"model.layers.{target_layers + int(i)}.{rest}"
+
+
+def _head_config(spec: HeadSpec, target: ModelArch, num_modules: int) -> dict:
+    arch = spec.arch
+    config = {
+        "architectures": [_ARCHITECTURES[spec.method]],
+        "model_type": "llama",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": _rope_scaling_config(arch),
+        "max_position_embeddings": arch.max_position,
+        "vocab_size": target.vocab_size,
+        "hidden_act": "silu",
+        "num_hidden_layers": arch.num_layers,
+    }
+    if spec.method == "eagle3":
+        config["draft_vocab_size"] = spec.vocab_out
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(spec.aux_layers)}
+    if spec.method == "mtp":
+        config["num_hidden_layers"] = target.num_layers
+        config["num_nextn_predict_layers"] = num_modules
+    return config
+
+
+def _rope_scaling_config(arch: ModelArch) -> dict | None:
+    s = arch.rope_scaling
+    if s.kind == "default":
+        return None
+    if s.kind == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    return {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position,
+    }

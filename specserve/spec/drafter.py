@@ -1,0 +1,73 @@
+"""What the engine asks of a drafter, and the draft-token choice every model drafter shares.
+
+A drafter fills `Request.draft` (and `draft_probs`, the distribution each sampled draft was drawn
+from: verify needs q for its acceptance test) for the requests the engine names. Model drafters
+write KV of their own on the request's pages, so the engine reserves those pages first
+(`needs_pages`). Drafters that read the target's hidden states name them in `capture` and get them
+after every target forward through `after_target`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import Request
+from specserve.engine.sampler import SamplingBatch, filtered_probs, sample_from_probs
+from specserve_kernels import use_triton
+from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
+
+DRAFT_SALT = 2  # a drafter sampling its proposals draws with this noise stream
+
+
+@dataclass(frozen=True)
+class TargetFeed:
+    """What one scheduled request's target forward gives a hidden-state drafter: positions
+    `start ...` have features at `rows` of the step's feature tensor, and `tokens` are the tokens
+    that follow them (each position's next token). `seed`: the request will decode next, so the
+    last pair's prediction is its first draft, which proposes output token `next_output`."""
+
+    request: Request
+    start: int
+    tokens: list[int]
+    rows: range
+    seed: bool
+    next_output: int
+
+
+class Drafter:
+    needs_pages = False
+    # Target features read after each forward: None = none; () = final hidden states;
+    # (i, ...) = the residual stream after those target layers.
+    capture: tuple[int, ...] | None = None
+
+    def draft(self, reqs: list[Request], budgets: list[int]) -> None:
+        raise NotImplementedError
+
+    def after_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
+        """Called after each target forward and verify, before the step's results are applied."""
+
+
+def choose_drafts(
+    logits: torch.Tensor,
+    reqs: Sequence[Request],
+    counters: Sequence[int],
+    vocab: int,
+    to_target_ids: Callable[[torch.Tensor], torch.Tensor] = lambda ids: ids,
+    to_target_probs: Callable[[torch.Tensor, int], torch.Tensor] = lambda probs, vocab: probs,
+) -> tuple[list[int], torch.Tensor | None]:
+    """Draft tokens for rows of draft logits [R, V_draft]: the argmax for greedy requests (top-1 in
+    one fused pass), a draw from the filtered distribution q for sampling ones. Returns the target
+    ids and, when any row samples, q over the target vocabulary [R, vocab] (one-hot on greedy rows).
+    `counters[i]` is the output index the draft on row i proposes (seeds its noise)."""
+    rows = [r.sampling_row(c) for r, c in zip(reqs, counters, strict=True)]
+    if all(row.temperature == 0 for row in rows):
+        top1 = draft_top1 if use_triton(logits.device) else draft_top1_ref
+        ids, _ = top1(logits)
+        return to_target_ids(ids).tolist(), None
+    batch = SamplingBatch.build(rows, logits.device)
+    q = filtered_probs(logits, batch)
+    ids = sample_from_probs(q, batch, salt=DRAFT_SALT)
+    return to_target_ids(ids).tolist(), to_target_probs(q, vocab)

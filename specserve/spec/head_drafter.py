@@ -1,0 +1,177 @@
+"""Drafting with a head that reads the target's hidden states: EAGLE, EAGLE-3, a chain of MTP layers.
+
+The head's KV (its own tensors on the target's pages) holds, for step module i at position p, the
+pair (token x_{p+1}, hidden h_i(p-1)) run through module i, where h_0(p-1) is really the target's
+feature at p (module 0 pairs each token with the feature that predicted it) and h_i(p-1) for i > 0
+is module i-1's output at p-1 (zero before position 0). So module i at p sees exactly the inputs
+step i of a draft chain started at p - i would give it.
+
+- `after_target` (the "draft extend") runs every module over the positions whose target features
+  the last forward produced and whose next token is now known: verified tokens only, so that KV
+  stays valid. The newest pair's prediction is the request's first draft token; each module's
+  output at the newest position is kept (`HeadState.tails`) for the next extend and for drafting.
+- `draft` continues the chain. Step s uses module min(s, k-1). While s < k the module has never seen
+  positions past the verified ones, so it runs over all of them (s rows: the earlier drafts are its
+  tokens, module s-1's outputs its hidden states) and its KV is what an extend would have written;
+  after that the last module is reused one row per step, fed its own previous output.
+
+Every draft is therefore a pure function of the token sequence (invariant 5; the tests compare it
+with a from-scratch computation), except after a prefix-cache hit, where the MTP tails at the cached
+boundary are unknown and taken as zero: that costs acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.request import Request
+from specserve.engine.step_input import build_draft_input
+from specserve.model.draft_heads import DraftHead
+from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
+
+
+@dataclass(frozen=True)
+class HeadState:
+    """A request's drafting state after an extend over positions up to `position`."""
+
+    position: int  # the newest extended position (the request's last verified token - 1)
+    tails: torch.Tensor  # [k, H] each module's output at `position`
+    token: int | None = None  # the first draft (None when the request will not decode next)
+    q: torch.Tensor | None = None  # [V] its distribution, for sampling requests
+
+
+class HeadDrafter(Drafter):
+    needs_pages = True
+
+    def __init__(self, head: DraftHead, vocab: int, num_pages: int, page_size: int) -> None:
+        self.head, self.vocab, self.page_size = head, vocab, page_size
+        self.num_modules = len(head.step_modules)
+        self.capture = head.spec.aux_layers
+        weight = next(head.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        self.kv_cache = KVCache.allocate(head.spec.arch, num_pages, page_size, self.dtype, self.device)
+        self.backend = TorchAttentionBackend()
+
+    # ---- draft extend ----------------------------------------------------------------------
+
+    def after_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
+        feeds = [f for f in feeds if f.tokens]
+        if not feeds:
+            return
+        inp = build_draft_input([(f.request, f.start, f.tokens) for f in feeds], self.page_size, self.device)
+        ctx = self.backend.prepare(inp.attention, self.kv_cache)
+        rows = torch.tensor([r for f in feeds for r in f.rows], device=features.device)
+        hidden = features.index_select(0, rows).to(self.dtype)
+        lens = [len(f.tokens) for f in feeds]
+        first_rows = np.cumsum([0, *lens[:-1]])
+        last = inp.last_rows
+        tails, seed_hidden, out = [], None, None
+        for i in range(self.num_modules):
+            if out is not None:  # module i pairs each token with module i-1's output one position back
+                hidden = _shift_in(out, self._previous_tails(feeds, i - 1), first_rows, self.device)
+            out, to_logits = self.head.run(i, inp.input_ids, hidden, inp.positions, ctx, from_target=i == 0)
+            tails.append(out.index_select(0, last))
+            if i == 0:
+                seed_hidden = to_logits.index_select(0, last)
+        stacked = torch.stack(tails, dim=1)  # [B, k, H]
+        self._store(feeds, stacked, seed_hidden)
+
+    def _previous_tails(self, feeds: list[TargetFeed], module: int) -> torch.Tensor:
+        """Module `module`'s output just before each feed's first position (zero where unknown)."""
+        zero = torch.zeros(self.head.spec.arch.hidden_size, dtype=self.dtype, device=self.device)
+        rows = []
+        for f in feeds:
+            state: HeadState | None = f.request.draft_state
+            known = state is not None and state.position == f.start - 1
+            rows.append(state.tails[module] if known else zero)
+        return torch.stack(rows)
+
+    def _store(self, feeds: list[TargetFeed], tails: torch.Tensor, seed_hidden: torch.Tensor) -> None:
+        seeded = [b for b, f in enumerate(feeds) if f.seed]
+        tokens, q = [], None
+        if seeded:
+            index = torch.tensor(seeded, device=self.device)
+            logits = self.head.logits(0, seed_hidden.index_select(0, index))
+            reqs = [feeds[b].request for b in seeded]
+            counters = [feeds[b].next_output for b in seeded]
+            tokens, q = self._choose(logits, reqs, counters)
+        by_feed = dict(zip(seeded, range(len(seeded)), strict=True))
+        for b, f in enumerate(feeds):
+            req, j = f.request, by_feed.get(b)
+            sampled_q = q[j] if q is not None and j is not None and not req.params.greedy else None
+            req.draft_state = HeadState(
+                position=f.start + len(f.tokens) - 1,
+                tails=tails[b],
+                token=tokens[j] if j is not None else None,
+                q=sampled_q,
+            )
+            req.draft_computed = f.start + len(f.tokens)
+
+    # ---- drafting --------------------------------------------------------------------------
+
+    def draft(self, reqs: list[Request], budgets: list[int]) -> None:
+        """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
+        chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
+        for req, _ in chains:
+            state: HeadState = req.draft_state
+            req.draft = [state.token]
+            req.draft_probs = [state.q] if state.q is not None else None
+        # request -> the previous step's outputs, one per row it ran (step 0: module 0 at the seed)
+        outputs = {id(r): r.draft_state.tails[:1] for r, _ in chains}
+        step = 1
+        while chains := [(r, k) for r, k in chains if k > step]:
+            self._draft_step([r for r, _ in chains], step, outputs)
+            step += 1
+        for req, _ in zip(reqs, budgets, strict=True):
+            if isinstance(req.draft_probs, list):
+                req.draft_probs = torch.stack(req.draft_probs)
+
+    def _draft_step(self, reqs: list[Request], step: int, outputs: dict[int, torch.Tensor]) -> None:
+        module = self.head.module_for_step(step)
+        fresh = module == step  # a module new to this chain runs over every position since the seed
+        feeds, hidden_rows = [], []
+        for req in reqs:
+            state: HeadState = req.draft_state
+            if fresh:
+                first = state.position + 1
+                feeds.append((req, first, req.draft[:step]))
+                hidden_rows.append(state.tails[module - 1 : module])
+                if step > 1:
+                    hidden_rows.append(outputs[id(req)])
+            else:
+                feeds.append((req, state.position + step, [req.draft[-1]]))
+                hidden_rows.append(outputs[id(req)][-1:])
+        inp = build_draft_input(feeds, self.page_size, self.device)
+        ctx = self.backend.prepare(inp.attention, self.kv_cache)
+        hidden = torch.cat(hidden_rows)
+        out, to_logits = self.head.run(module, inp.input_ids, hidden, inp.positions, ctx, from_target=False)
+        logits = self.head.logits(module, to_logits.index_select(0, inp.last_rows))
+        tokens, q = self._choose(logits, reqs, [r.num_output + step for r in reqs])
+        starts = np.cumsum([0, *[len(t) for _, _, t in feeds]])
+        for i, req in enumerate(reqs):
+            outputs[id(req)] = out[starts[i] : starts[i + 1]]
+            req.draft.append(tokens[i])
+            if req.draft_probs is not None:
+                req.draft_probs.append(q[i])
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Request], counters: list[int]):
+        return choose_drafts(
+            logits, reqs, counters, self.vocab, self.head.to_target_ids, self.head.to_target_probs
+        )
+
+
+def _has_seed(req: Request) -> bool:
+    state = req.draft_state
+    return isinstance(state, HeadState) and state.token is not None and state.position == req.num_computed - 1
+
+
+def _shift_in(out: torch.Tensor, previous: torch.Tensor, first_rows: np.ndarray, device) -> torch.Tensor:
+    """Row r of the result is out[r - 1], except each feed's first row, which takes `previous`."""
+    index = np.arange(out.shape[0]) - 1 + previous.shape[0]
+    index[first_rows] = np.arange(previous.shape[0])
+    return torch.cat([previous, out]).index_select(0, torch.from_numpy(index).to(device))
