@@ -70,11 +70,9 @@ def verify_chain(
 
     Request b owns rows row_start[b] .. row_start[b] + num_drafts[b]: its drafts, then the bonus
     row. `draft_probs` None means deterministic drafts (q(d) = 1)."""
-    probs, draft_probs = _check(probs, draft, row_start, num_drafts, u, replacement, draft_probs)
-    if max_drafts is None:
-        max_drafts = int(num_drafts.max().item()) if num_drafts.numel() else 0
-    if check_bounds:
-        _check_bounds(probs, draft, row_start, num_drafts, max_drafts)
+    probs, draft_probs, max_drafts = _prepare(
+        probs, draft, row_start, num_drafts, u, replacement, draft_probs, max_drafts, check_bounds
+    )
     batch = row_start.shape[0]
     tokens = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64, device=probs.device)
     accepted = torch.zeros(batch, dtype=torch.int64, device=probs.device)
@@ -111,11 +109,9 @@ def verify_chain_ref(
     check_bounds: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, vectorised over a [B, max_drafts + 1] grid of (request, row in its chain)."""
-    probs, draft_probs = _check(probs, draft, row_start, num_drafts, u, replacement, draft_probs)
-    if max_drafts is None:
-        max_drafts = int(num_drafts.max().item()) if num_drafts.numel() else 0
-    if check_bounds:
-        _check_bounds(probs, draft, row_start, num_drafts, max_drafts)
+    probs, draft_probs, max_drafts = _prepare(
+        probs, draft, row_start, num_drafts, u, replacement, draft_probs, max_drafts, check_bounds
+    )
     j = torch.arange(max_drafts + 1, device=probs.device)
     is_draft = j[None, :] < num_drafts[:, None]  # [B, W]
     rows = torch.where(is_draft, row_start[:, None] + j, row_start[:, None])
@@ -128,6 +124,16 @@ def verify_chain_ref(
     last = replacement[row_start + accepted]
     tokens = tokens.scatter(1, accepted[:, None], last[:, None])
     return tokens, accepted
+
+
+def _prepare(probs, draft, row_start, num_drafts, u, replacement, draft_probs, max_drafts, check_bounds):
+    """Shapes and dtypes checked, vocab dimensions made unit-stride, max_drafts known, bounds checked."""
+    probs, draft_probs = _check(probs, draft, row_start, num_drafts, u, replacement, draft_probs)
+    if max_drafts is None:
+        max_drafts = int(num_drafts.max().item()) if num_drafts.numel() else 0
+    if check_bounds:
+        _check_bounds(probs, draft, row_start, num_drafts, max_drafts)
+    return probs, draft_probs, max_drafts
 
 
 def _check(probs, draft, row_start, num_drafts, u, replacement, draft_probs):

@@ -20,7 +20,9 @@ a = torch.randn(4096, 4096)
 t = time.perf_counter()
 for _ in range(20):
     a @ a
-print(f"host cpu matmul 4096^2: {(time.perf_counter() - t) / 20 * 1e3:.1f} ms (threads={torch.get_num_threads()})")
+print(
+    f"host cpu matmul 4096^2: {(time.perf_counter() - t) / 20 * 1e3:.1f} ms (threads={torch.get_num_threads()})"
+)
 
 llm = LLM("smollm2-135m-instruct")
 prompt = llm._chat_ids([{"role": "user", "content": "Tell me a story about a dragon."}])

@@ -38,6 +38,21 @@ def test_generate_json(tiny_folder, capsys):
     assert result["meta_info"]["completion_tokens"] == 5
 
 
+def test_generate_with_a_draft_head(tiny_folder, tmp_path, capsys):
+    from specserve.model.arch import arch_from_hf_config
+    from specserve.model.head_checkpoint import random_head, save_head
+
+    arch = arch_from_hf_config(json.loads((tiny_folder / "config.json").read_text()))
+    head = save_head(tmp_path / "head", *random_head("mtp", arch, num_modules=2))
+    args = ["generate", "--model", str(tiny_folder), "--prompt", "Hello", "--max-new-tokens", "6"]
+    args += ["--device", "cpu", "--json", "--speculative", "mtp", "--num-steps", "3"]
+    assert main([*args, "--draft-model", str(head)]) == 0
+    meta = json.loads(capsys.readouterr().out)["meta_info"]
+    assert meta["completion_tokens"] == 6 and meta["spec_verify_ct"] >= 2
+    assert main(args) == 2  # a head method without its folder
+    assert "speculative.draft_model" in capsys.readouterr().err
+
+
 def test_generate_reports_bad_arguments(tiny_folder, capsys):
     code = main(
         [

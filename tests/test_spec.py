@@ -161,7 +161,10 @@ def test_logprobs_equal_prefill_scoring(loaded, prompts, random_heads, method):
 
 
 def test_abort_during_speculation_frees_pages(loaded, prompts, tiny_draft):
-    llm = _llm(loaded, {"method": "standalone", "draft_model": str(tiny_draft), "num_steps": 3})
+    spec = {"method": "standalone", "draft_model": str(tiny_draft), "num_steps": 3}
+    with pytest.raises(ValueError, match="speculative.draft_model.*max_model_len"):
+        _llm(loaded, spec)  # the tiny draft's context (512) is shorter than SmolLM2's
+    llm = _llm(loaded, spec, max_model_len=512)
     engine = llm.engine
     ids = [
         engine.add_request(_ids(p), SamplingParams(max_new_tokens=30, temperature=0.0)) for p in prompts[:3]
@@ -295,7 +298,10 @@ def test_standalone_weak_draft_is_lossless(loaded, prompts, tiny_draft, page_siz
     batch = [_ids(p) for p in prompts]
     reference = _llm(loaded, page_size=page_size).generate(batch, params)
     spec = _llm(
-        loaded, {"method": "standalone", "draft_model": str(tiny_draft), "num_steps": 3}, page_size=page_size
+        loaded,
+        {"method": "standalone", "draft_model": str(tiny_draft), "num_steps": 3},
+        page_size=page_size,
+        max_model_len=512,
     )
     assert [o.token_ids for o in spec.generate(batch, params)] == [r.token_ids for r in reference]
     sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)

@@ -94,3 +94,20 @@ def test_the_triton_path_inside_the_engine(target, draft_models, prompts, method
     llm = LLM(target, device="cpu", dtype="float32", speculative=spec)
     got = [o.token_ids for o in llm.generate(batch, PARAMS) + llm.generate(batch, sampled)]
     assert got == expected
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_pages_holding_accepted_drafts_enter_the_prefix_cache(target, draft_models, prompts, method):
+    """A follow-up turn (prompt + answer + more) reuses the answer's pages, including those whose KV
+    was written by accepted drafts."""
+    spec = {"method": method, "num_steps": 4}
+    if draft_models[method] is not None:
+        spec["draft_model"] = str(draft_models[method])
+    llm = LLM(target, device="cpu", dtype="float32", page_size=4, speculative=spec)
+    prompt = prompts[6]
+    first = llm.generate([prompt], PARAMS)[0]
+    assert first.meta["spec_accepted_tokens"] > 0 or method != "ngram"
+    history = prompt + first.token_ids
+    follow = llm.generate([history + [5, 6, 7]], PARAMS)[0]
+    # Every full page of the history but (at most) the one holding its last token was cached.
+    assert follow.meta["cached_tokens"] >= (len(history) - 1) // 4 * 4 - 4

@@ -26,6 +26,8 @@ from specserve.engine.sampler import SamplingRow
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
+from specserve.model.arch import ModelArch
+from specserve.model.draft_heads import HEAD_METHODS, DraftHead
 from specserve.model.head_checkpoint import load_head
 from specserve.model.loader import LoadedModel, load_model
 from specserve.spec.drafter import Drafter, TargetFeed
@@ -52,12 +54,13 @@ class Engine:
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or self.arch.max_position, self.arch.max_position)
         page_size = config.cache.page_size
-        num_pages = self._num_pages()
+        draft_weights = self._drafter_weights()
+        num_pages = self._num_pages(_kv_arch(draft_weights))
         self.kv_cache = KVCache.allocate(self.arch, num_pages, page_size, self.dtype, self.device)
         self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = TorchAttentionBackend()
-        self.drafter = self._make_drafter(num_pages) if config.speculative else None
+        self.drafter = self._make_drafter(draft_weights, num_pages)
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []
@@ -167,28 +170,45 @@ class Engine:
                 f"max_new_tokens: prompt + max_new_tokens ({total}) exceeds the KV cache ({self.kv.capacity_tokens} tokens)"
             )
 
-    def _make_drafter(self, num_pages: int) -> Drafter:
+    def _drafter_weights(self) -> DraftHead | LoadedModel | None:
+        """A model drafter's weights, loaded before the KV pool is sized (its KV shares the pages)."""
         spec = self.config.speculative
-        page_size = self.config.cache.page_size
+        if spec is None or spec.method == "ngram":
+            return None
+        if spec.method in HEAD_METHODS:
+            return load_head(spec.draft_model, spec.method, self.model, self.device, self.dtype)
+        same = spec.draft_model == self.config.model
+        return self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)
+
+    def _make_drafter(self, weights: DraftHead | LoadedModel | None, num_pages: int) -> Drafter | None:
+        spec = self.config.speculative
+        if spec is None:
+            return None
         if spec.method == "ngram":
             return NgramDrafter(spec.ngram_min_match, spec.ngram_max_match)
-        if spec.method in ("eagle", "eagle3", "mtp"):
-            head = load_head(spec.draft_model, spec.method, self.model, self.device, self.dtype)
-            return HeadDrafter(head, self.arch.vocab_size, num_pages, page_size)
-        same = spec.draft_model == self.config.model
-        draft = self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)
-        return StandaloneDrafter(draft, self.arch.vocab_size, num_pages, page_size, self.dtype, self.device)
+        page_size, vocab = self.config.cache.page_size, self.arch.vocab_size
+        if isinstance(weights, DraftHead):
+            return HeadDrafter(weights, vocab, num_pages, page_size)
+        if weights.arch.max_position < self.max_model_len:
+            raise ValueError(
+                f"speculative.draft_model: its context ({weights.arch.max_position}) is shorter than "
+                f"max_model_len ({self.max_model_len}); set max_model_len <= {weights.arch.max_position}"
+            )
+        return StandaloneDrafter(weights, vocab, num_pages, page_size, self.dtype, self.device)
 
-    def _num_pages(self) -> int:
+    def _num_pages(self, draft_arch: ModelArch | None) -> int:
         cache = self.config.cache
         tokens = cache.max_total_tokens
         if tokens is None:
-            tokens = self._gpu_budget_tokens() if self.device.type == "cuda" else CPU_DEFAULT_TOKENS
+            gpu = self.device.type == "cuda"
+            tokens = self._gpu_budget_tokens(draft_arch) if gpu else CPU_DEFAULT_TOKENS
         return -(-tokens // cache.page_size) + 1  # + the dummy page
 
-    def _gpu_budget_tokens(self) -> int:
+    def _gpu_budget_tokens(self, draft_arch: ModelArch | None) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)
         per_token = KVCache.bytes_per_token(self.arch, self.dtype)
+        if draft_arch is not None:
+            per_token += KVCache.bytes_per_token(draft_arch, self.dtype)
         return int(free * self.config.cache.gpu_memory_fraction) // per_token
 
     # ---- one step ----------------------------------------------------------------------------
@@ -275,18 +295,31 @@ class Engine:
         req = item.request
         # Known tokens now have KV, and so do the accepted drafts (all emitted tokens but the last).
         req.num_computed = item.start + item.num_known + (len(tokens) - 1 if tokens else 0)
-        self.kv.commit(req, self._cacheable(req))
         if records is not None:
             req.input_logprobs.extend(records.inputs)
         if item.completes and req.prefill_only:
+            self.kv.commit(req, self._cacheable(req))
             self._finish(req, {"type": "length", "length": 0})
             return self._emit(req, [])
+        if tokens and self.drafter is not None and item.num_known == 1 and req.num_output > 0:
+            self._count_verify(req, len(item.draft), len(tokens) - 1)  # a decode's verify
+        reason, delta = self._append(req, tokens or [], records)
+        # After the append: pages of accepted drafts are keyed by those tokens.
+        self.kv.commit(req, self._cacheable(req))
+        if reason is not None:
+            self._finish(req, reason)
+        elif tokens:
+            self.kv.trim(req, len(req.token_ids))
+        return self._emit(req, delta) if tokens else None
+
+    def _append(
+        self, req: Request, tokens: list[int], records: StepLogprobs | None
+    ) -> tuple[dict | None, list[int]]:
+        """Add emitted tokens up to the first that ends the request; (finish reason, tokens added)."""
         if not tokens:
-            return None
+            return None, []
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        if self.drafter is not None and item.num_known == 1 and req.num_output > 0:  # a decode's verify
-            self._count_verify(req, len(item.draft), len(tokens) - 1)
         delta: list[int] = []
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
@@ -295,11 +328,8 @@ class Engine:
                 req.output_logprobs.append(records.outputs[i])
             reason = self._finish_reason(req, token)
             if reason is not None:
-                self._finish(req, reason)
-                break
-        if not req.finished:
-            self.kv.trim(req, len(req.token_ids))
-        return self._emit(req, delta)
+                return reason, delta
+        return None, delta
 
     def _cacheable(self, req: Request) -> int:
         """Leading tokens whose KV pages may enter the prefix cache: a model drafter's KV lives on
@@ -345,6 +375,13 @@ class Engine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def _kv_arch(weights: DraftHead | LoadedModel | None) -> ModelArch | None:
+    """The shape of a model drafter's KV cache (None: the drafter keeps none)."""
+    if isinstance(weights, DraftHead):
+        return weights.spec.arch
+    return weights.arch if weights is not None else None
 
 
 def _target_feeds(items: list[ScheduledItem], emitted: dict[int, list[int]]) -> list[TargetFeed]:

@@ -57,7 +57,9 @@ class KVManager:
         if self.prefix_cache is None:
             return
         ps = self.page_size
-        while (len(req.page_digests) + 1) * ps <= min(upto, req.num_computed):
+        # Accepted drafts past a stop token have KV but are not the request's tokens: never keyed.
+        limit = min(upto, req.num_computed, len(req.token_ids))
+        while (len(req.page_digests) + 1) * ps <= limit:
             i = len(req.page_digests)
             parent = req.page_digests[-1] if req.page_digests else ROOT
             digest = page_digest(parent, req.token_ids[i * ps : (i + 1) * ps])

@@ -1,18 +1,9 @@
-"""Draft heads from HF-format folders, in the key layouts published checkpoints use; seeded random
-heads in the same layout for tests.
+"""Draft heads from HF-format folders, in the key layouts published EAGLE / EAGLE-3 / MTP
+checkpoints use (the table is in docs/speculative.md); seeded random heads in the same layout.
 
-A head folder holds `config.json` (Llama fields of the head's decoder layers) and safetensors files.
-q/k/v and gate/up are stored as separate projections, as published checkpoints store them.
-
-| method | config.json | tensors |
-|---|---|---|
-| `eagle` (EAGLE-1/2) | `num_hidden_layers`: the head's decoder layers (usually 1) | `fc.weight` [H, 2H] (+ `fc.bias`), `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`, `layers.{i}.post_attention_layernorm.weight`, `layers.{i}.input_layernorm.weight` for i > 0 only; optional `embed_tokens.weight` |
-| `eagle3` | `num_hidden_layers` = 1, `draft_vocab_size`, optional `eagle_config.eagle_aux_hidden_state_layer_ids` | `fc.weight` [H, 3H], `midlayer.self_attn.*` (q/k/v read 2H), `midlayer.mlp.*`, `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`, `norm.weight`, `lm_head.weight` [V_draft, H], `d2t` [V_draft] (target id minus draft id), `t2d` (unused); optional `embed_tokens.weight` |
-| `mtp` (DeepSeek-V3) | `num_hidden_layers`: the target's L, `num_nextn_predict_layers`: k | `model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.norm}.weight`, the layer's `self_attn.*`, `mlp.*`, `input_layernorm`, `post_attention_layernorm`; optional `shared_head.head.weight`, `embed_tokens.weight`; other tensors (the target's own) are ignored |
-
-A leading `model.` on EAGLE / EAGLE-3 names is accepted. Embedding and lm_head default to the
-target's. EAGLE-3 reads the residual stream after target layers (1, L/2 - 1, L - 4) unless the
-config names others.
+The head's shape is read from its config.json and from which tensors it stores (an fc bias, its own
+embedding or lm_head), so a published folder loads as it is. q/k/v and gate/up are stored as separate
+projections and stacked at load.
 """
 
 from __future__ import annotations
