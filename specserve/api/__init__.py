@@ -1,0 +1,1 @@
+"""HTTP API: OpenAI-compatible and native routes over an `EngineClient`."""
