@@ -3,6 +3,7 @@
 Every batch size runs the same chat prompts through our engine and, in the same process on the same
 device, through HF `generate` (plain greedy, and prompt lookup at batch 1), so each figure is also a
 ratio. Greedy, a fixed number of new tokens (EOS ignored), wall time from submission to the last token.
+With `--url` the same batches also go to a running server over HTTP (`specserve.bench_http`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hf", action="store_true", help="also time HF transformers generate in this process"
     )
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="also send the workload to a running server (native /generate) at this URL",
+    )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
 
 
@@ -76,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
             if b == 1:
                 seconds = _time_hf(hf, llm, batch, args.max_new_tokens, prompt_lookup=args.num_steps)
                 rows.append(_row("hf-generate-prompt-lookup", b, args.max_new_tokens, seconds))
+    if args.url:
+        from specserve.bench_http import http_rows
+
+        rows += http_rows(args.url, prompts, batch_sizes, args.max_new_tokens)
     report = {
         "model": args.model,
         "device": str(llm.engine.device),

@@ -1,4 +1,4 @@
-"""`specserve generate | bench | pull`: the command line."""
+"""`specserve serve | generate | bench | pull`: the command line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from specserve.cli_spec_args import add_speculative_arguments, speculative_from_
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description="LLM serving with speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from specserve.serve.launch import add_arguments as add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="serve over HTTP on Ray (OpenAI + native /generate)"))
 
     gen = sub.add_parser("generate", help="generate text for one prompt, in this process")
     gen.add_argument("--model", default="smollm2-135m-instruct", help="asset name, .gguf file or HF folder")
@@ -76,6 +80,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from specserve.serve.launch import run as run_serve
+
+        return run_serve(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "bench":

@@ -1,0 +1,88 @@
+"""The engine deployment's autoscaling policy: replicas from engine load, not only ongoing requests.
+
+Each replica reports `LoadReport` figures through Ray Serve's `record_autoscaling_stats` hook; the
+controller averages them over its look-back window and calls `engine_load_policy` with one value per
+replica. Ongoing requests alone miss what makes an LLM replica slow: a deep waiting queue (admitted
+but not yet running), a KV cache near full (retractions, recompute) and a rising time to first token.
+The policy asks for as many replicas as the most loaded signal needs; Serve then applies the
+configured bounds, scaling factors and up/down delays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Metric names a replica reports (keys of `LoadReport.as_metrics()`).
+WAITING, RUNNING, KV_USAGE, TTFT = "waiting", "running", "kv_usage", "ttft_s"
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One replica's load, as its engine sees it."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # used / total KV pages
+    ttft_s: float  # recent mean time to first token (0 when none finished lately)
+
+    def as_metrics(self) -> dict[str, float]:
+        names = {"running": RUNNING, "waiting": WAITING, "kv_usage": KV_USAGE, "ttft_s": TTFT}
+        return {names[k]: float(v) for k, v in asdict(self).items()}
+
+
+def replicas_needed(
+    current: int,
+    ongoing_requests: float,
+    per_replica: dict[str, list[float]],
+    *,
+    target_ongoing_requests: float,
+    target_queue_depth: float,
+    target_kv_usage: float,
+    target_ttft_s: float | None,
+) -> float:
+    """The replica count each signal asks for, and the largest of them.
+
+    Ongoing requests are a total (Serve counts them at the handles); the engine signals are per-replica
+    means, so a replica count that brings each mean back to its target is current × mean / target.
+    """
+    current = max(current, 1)
+    wants = [ongoing_requests / target_ongoing_requests]
+    wants.append(current * _mean(per_replica.get(WAITING, ())) / target_queue_depth)
+    wants.append(current * _mean(per_replica.get(KV_USAGE, ())) / target_kv_usage)
+    if target_ttft_s is not None:
+        wants.append(current * _mean(per_replica.get(TTFT, ())) / target_ttft_s)
+    return max(wants)
+
+
+def engine_load_policy(
+    ctx: Any,
+    target_ongoing_requests: float = 16.0,
+    target_queue_depth: float = 4.0,
+    target_kv_usage: float = 0.8,
+    target_ttft_s: float | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Ray Serve custom policy (`AutoscalingContext` in, desired replicas and policy state out)."""
+    metrics = ctx.aggregated_metrics or {}
+    per_replica = {name: list(values.values()) for name, values in metrics.items()}
+    wanted = replicas_needed(
+        ctx.current_num_replicas,
+        float(ctx.total_num_requests or 0.0),
+        per_replica,
+        target_ongoing_requests=target_ongoing_requests,
+        target_queue_depth=target_queue_depth,
+        target_kv_usage=target_kv_usage,
+        target_ttft_s=target_ttft_s,
+    )
+    low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+    desired = min(max(math.ceil(wanted - 1e-9), low), high)
+    state = dict(ctx.policy_state or {})
+    state["specserve_wanted_replicas"] = wanted
+    return desired, state
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,153 @@
+"""`ServeConfig`: what an operator sets to serve a model on Ray (the `args:` of a Serve config file).
+
+Pydantic at this edge (validation errors name the field; every field is described for
+`serve deploy` users); inside, it becomes the frozen `EngineConfig` the engine reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+# The embedded default drafter until trained heads ship: prompt lookup needs no weights.
+DEFAULT_SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_steps": 4}
+
+
+class AutoscalingSettings(BaseModel):
+    """Replica autoscaling of the engine deployment: Ray Serve's `autoscaling_config` plus the targets
+    of specserve's load policy (`specserve.serve.autoscaling:engine_load_policy`). How often replicas
+    report is Ray's setting: `RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S` (default 10 s)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas (each one TP group).")
+    max_replicas: int = Field(2, ge=1, description="Most engine replicas.")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time (default: min).")
+    target_ongoing_requests: float = Field(
+        16.0, gt=0, description="Requests (running + queued) per replica the policy aims for."
+    )
+    target_queue_depth: float = Field(
+        4.0, gt=0, description="Waiting (admitted, not yet running) requests per replica the policy aims for."
+    )
+    target_kv_usage: float = Field(
+        0.8, gt=0, le=1, description="KV-cache usage ratio per replica above which the policy adds replicas."
+    )
+    target_ttft_s: float | None = Field(
+        None, gt=0, description="Time to first token (recent mean, seconds) above which it adds replicas."
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before scaling up.")
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="How long load must stay low before scaling down."
+    )
+    look_back_period_s: float = Field(10.0, gt=0, description="Window the controller averages reports over.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("autoscaling.max_replicas: must be >= min_replicas")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        """Ray Serve's `autoscaling_config` for the engine deployment, with our policy plugged in."""
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": self.initial_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": {
+                "policy_function": "specserve.serve.autoscaling:engine_load_policy",
+                "policy_kwargs": {
+                    "target_ongoing_requests": self.target_ongoing_requests,
+                    "target_queue_depth": self.target_queue_depth,
+                    "target_kv_usage": self.target_kv_usage,
+                    "target_ttft_s": self.target_ttft_s,
+                },
+            },
+        }
+
+
+class ServeConfig(BaseModel):
+    """One served model: the engine each replica runs, how replicas are placed and scaled, where HTTP listens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(DEFAULT_MODEL, description="Asset name, .gguf file or HF folder of the target model.")
+    served_model_name: str | None = Field(
+        None, description="The name clients send as `model` and `/v1/models` lists (default: `model`)."
+    )
+    speculative: dict[str, Any] | str | None = Field(
+        default_factory=lambda: dict(DEFAULT_SPECULATIVE),
+        description="Speculative decoding: a method name, a mapping of SpeculativeConfig fields "
+        "(method, num_steps, draft_model, ...), or null for plain decoding.",
+    )
+    tp_size: int = Field(
+        1, ge=1, le=64, description="Tensor-parallel ranks per engine replica (GPUs, or CPU processes)."
+    )
+    device: str = Field("auto", description="auto (GPU when Ray gives the replica one), cpu, or cuda.")
+    dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
+    page_size: int = Field(16, ge=1, description="Tokens per KV-cache page (the prefix-cache granularity).")
+    max_total_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV-cache slots per replica (default: sized from free GPU memory, or 65536 on CPU).",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output (default: the model's)."
+    )
+    max_running_requests: int = Field(64, ge=1, description="Requests decoded together per replica.")
+    max_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one engine step (decode + prefill chunks)."
+    )
+    max_queued_requests: int = Field(
+        256, ge=0, description="Admitted requests waiting for a running slot per replica; beyond it, 429."
+    )
+    enable_prefix_cache: bool = Field(True, description="Reuse KV pages of shared prompt prefixes.")
+    seed: int = Field(0, ge=0, description="Seed of the per-request seeds drawn for requests that give none.")
+    num_replicas: int = Field(1, ge=1, description="Engine replicas when `autoscaling` is not set.")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="Autoscale engine replicas on engine load."
+    )
+    cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved for each TP rank.")
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on (`specserve serve`).")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy listens on (`specserve serve`).")
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        SpeculativeConfig.from_value(value)  # raises ValueError naming the setting
+        return value
+
+    @model_validator(mode="after")
+    def _engine(self) -> ServeConfig:
+        self.engine_config()  # every engine-level rule checked here, before Ray starts anything
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            cache=CacheConfig(
+                page_size=self.page_size,
+                max_total_tokens=self.max_total_tokens,
+                enable_prefix_cache=self.enable_prefix_cache,
+            ),
+            scheduler=SchedulerConfig(
+                max_running_requests=self.max_running_requests,
+                max_batched_tokens=self.max_batched_tokens,
+            ),
+            speculative=SpeculativeConfig.from_value(self.speculative),
+        )

@@ -1,0 +1,104 @@
+"""The engine deployment: each replica is one tensor-parallel group serving one model.
+
+The replica actor is rank 0: it runs the whole engine (scheduler, KV manager, drafter, sampling) in an
+`AsyncEngine` thread and broadcasts each step's inputs to ranks 1..N-1 (`TPFollower` actors in the
+replica's placement group). The ingress reaches it through a deployment handle: `generate` streams
+`RequestOutput`s; when the caller cancels the call (client disconnect) the request is aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from specserve.api.client import ModelInfo, Prompt
+from specserve.serve.autoscaling import LoadReport
+from specserve.serve.config import ServeConfig
+from specserve.serve.placement import FollowerGroup, start_followers
+from specserve.types import RequestOutput, SamplingParams
+
+logger = logging.getLogger("specserve.serve")
+
+
+@serve.deployment(name="SpecServeEngine")
+class EngineReplica:
+    def __init__(self, config: dict[str, Any], gpu: bool) -> None:
+        from specserve.engine.async_engine import AsyncEngine
+        from specserve.engine.engine import Engine
+        from specserve.executor.tp_group import init_tp_group, pick_rendezvous_address
+
+        self.config = ServeConfig.model_validate(config)
+        engine_config = self.config.engine_config()
+        device = engine_config.torch_device().type if self.config.device == "auto" else self.config.device
+        if gpu:
+            device = "cuda"
+        self.followers: FollowerGroup | None = None
+        tp = None
+        if self.config.tp_size > 1:
+            address = pick_rendezvous_address()
+            self.followers = start_followers(self.config, engine_config, address, gpu, device)
+            tp = init_tp_group(0, self.config.tp_size, address, "nccl" if gpu else "gloo")
+        engine = Engine(_on_device(engine_config, device), tp=tp)
+        self.engine = AsyncEngine(
+            engine, max_queued_requests=self.config.max_queued_requests, model_name=self.config.model_name
+        )
+        logger.info("engine replica up: %s, tp=%d on %s", self.config.model_name, self.config.tp_size, device)
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(prompt, params, request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.engine.abort(request_id)
+
+    async def flush_cache(self) -> bool:
+        return await self.engine.flush_cache()
+
+    async def health(self) -> dict[str, Any]:
+        return await self.engine.health()
+
+    async def model_info(self) -> ModelInfo:
+        return await self.engine.model_info()
+
+    async def metrics_text(self) -> str:
+        return await self.engine.metrics_text()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's hook: this replica's load, for `specserve.serve.autoscaling.engine_load_policy`."""
+        load = await self.engine.health()
+        report = LoadReport(
+            running=int(load.get("running", 0)),
+            waiting=int(load.get("waiting", 0)),
+            kv_usage=float(load.get("kv_usage", 0.0)),
+            ttft_s=float(load.get("ttft_s", 0.0) or 0.0),
+        )
+        return report.as_metrics()
+
+    async def check_health(self) -> None:
+        """Ray Serve's health probe: a dead engine thread or TP follower marks the replica unhealthy,
+        and Serve replaces it."""
+        await self.engine.health()  # raises EngineUnavailable when the loop died
+        if self.followers is not None and (why := self.followers.failed()):
+            raise RuntimeError(why)
+
+    async def check_kv_accounting(self) -> dict[str, Any]:
+        """Invariant 4 on this replica once it is idle (tests and operators: no leaked KV page)."""
+        return await self.engine.check_kv_accounting()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+        if getattr(self, "followers", None) is not None:
+            self.followers.kill()
+
+
+def _on_device(config: Any, device: str) -> Any:
+    from dataclasses import replace
+
+    return replace(config, device=device)

@@ -1,0 +1,106 @@
+"""Where an engine replica's ranks run: one placement-group bundle per TP rank, packed on one node.
+
+Ray Serve creates the group per replica from `placement_group_bundles` (STRICT_PACK: every rank on
+the same node, so NCCL runs over NVLink / shared memory) and puts the replica actor, which is rank 0,
+in bundle 0. Ranks 1..N-1 are `TPFollower` actors pinned to bundles 1..N-1; each runs the follower
+loop until rank 0 shuts the group down. Rank 0 picks the rendezvous address (a free port on its
+node) and hands it to the followers it starts: no fixed port anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from specserve.serve.config import ServeConfig
+
+
+def uses_gpu(config: ServeConfig) -> bool:
+    """Whether each rank takes a GPU: asked for, or `auto` on a cluster with enough GPUs."""
+    if config.device.startswith("cuda"):
+        return True
+    if config.device == "cpu":
+        return False
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= config.tp_size
+
+
+def engine_deployment_options(config: ServeConfig, gpu: bool) -> dict[str, Any]:
+    """Ray Serve options of the engine deployment: placement, replicas, bounded queues."""
+    rank = {"CPU": config.cpus_per_rank, **({"GPU": 1} if gpu else {})}
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": config.cpus_per_rank, "num_gpus": 1 if gpu else 0},
+        "placement_group_bundles": [dict(rank) for _ in range(config.tp_size)],
+        "placement_group_strategy": "STRICT_PACK",
+        # Calls a replica holds: every running and queued request plus control calls (health, stats).
+        "max_ongoing_requests": config.max_running_requests + config.max_queued_requests + 8,
+        # Calls the handles queue while every replica is full; beyond that, BackPressureError -> 503.
+        "max_queued_requests": config.max_queued_requests,
+        "health_check_period_s": 5,
+        "health_check_timeout_s": 30,
+        "graceful_shutdown_timeout_s": 10,
+    }
+    if config.autoscaling is not None:
+        options["autoscaling_config"] = config.autoscaling.serve_config()
+    else:
+        options["num_replicas"] = config.num_replicas
+    return options
+
+
+@ray.remote
+class TPFollower:
+    """Rank r > 0 of a replica's TP group: runs the target model's shard in lockstep with rank 0."""
+
+    def run(self, engine_config: Any, rank: int, size: int, address: str, device: str) -> None:
+        from specserve.executor.follower import run_follower
+
+        run_follower(engine_config, rank, size, address, device)
+
+    def ready(self) -> bool:
+        return True
+
+
+@dataclass
+class FollowerGroup:
+    """Ranks 1..N-1 of one replica, and the refs of their (long-running) follower loops."""
+
+    actors: list[Any]
+    loops: list[ray.ObjectRef]
+
+    def failed(self) -> str | None:
+        """Why a follower stopped (its loop ended or raised), or None while all run."""
+        done, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as err:  # the actor died or its loop raised
+                return f"TP follower failed: {type(err).__name__}: {err}"
+            return "TP follower loop ended"
+        return None
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+def start_followers(
+    config: ServeConfig, engine_config: Any, address: str, gpu: bool, device: str
+) -> FollowerGroup:
+    """Start ranks 1..N-1 in bundles 1..N-1 of this replica's placement group."""
+    group = get_current_placement_group()
+    actors, loops = [], []
+    for rank in range(1, config.tp_size):
+        strategy = (
+            PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            if group is not None
+            else None
+        )
+        actor = TPFollower.options(
+            num_cpus=config.cpus_per_rank, num_gpus=1 if gpu else 0, scheduling_strategy=strategy
+        ).remote()
+        actors.append(actor)
+        loops.append(actor.run.remote(engine_config, rank, config.tp_size, address, device))
+    return FollowerGroup(actors, loops)
