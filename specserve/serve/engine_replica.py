@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -31,17 +32,16 @@ class EngineReplica:
         from specserve.executor.tp_group import init_tp_group, pick_rendezvous_address
 
         self.config = ServeConfig.model_validate(config)
-        engine_config = self.config.engine_config()
-        device = engine_config.torch_device().type if self.config.device == "auto" else self.config.device
-        if gpu:
-            device = "cuda"
+        # Ray decided the accelerator when it placed the replica (`placement.uses_gpu`).
+        device = "cuda" if gpu else "cpu"
+        engine_config = replace(self.config.engine_config(), device=device)
         self.followers: FollowerGroup | None = None
         tp = None
         if self.config.tp_size > 1:
             address = pick_rendezvous_address()
             self.followers = start_followers(self.config, engine_config, address, gpu, device)
             tp = init_tp_group(0, self.config.tp_size, address, "nccl" if gpu else "gloo")
-        engine = Engine(_on_device(engine_config, device), tp=tp)
+        engine = Engine(engine_config, tp=tp)
         self.engine = AsyncEngine(
             engine, max_queued_requests=self.config.max_queued_requests, model_name=self.config.model_name
         )
@@ -96,9 +96,3 @@ class EngineReplica:
             engine.shutdown()
         if getattr(self, "followers", None) is not None:
             self.followers.kill()
-
-
-def _on_device(config: Any, device: str) -> Any:
-    from dataclasses import replace
-
-    return replace(config, device=device)
