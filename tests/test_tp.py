@@ -121,14 +121,16 @@ def test_tp2_equals_tp1(models, prompts, model):
 
 
 def test_tp2_speculative_equals_tp1(models, prompts, tmp_path):
-    """ngram and an EAGLE-3 head (bound on rank 0 to whole copies of the vocab-sharded embedding and
-    lm_head): greedy output equals the TP=1 target alone."""
+    """ngram, an EAGLE-3 head (bound on rank 0 to whole copies of the vocab-sharded embedding and
+    lm_head) and a standalone drafter that is the target checkpoint itself (loaded whole on rank 0,
+    so every draft is accepted): greedy output equals the TP=1 target alone."""
     target = models["llama3-4q2kv"]
     arch = load_checkpoint(target).arch
     head = save_head(tmp_path / "eagle3", *random_head("eagle3", arch, seed=3, draft_vocab_size=48))
     specs = [
         {"method": "ngram", "num_steps": 3},
         {"method": "eagle3", "num_steps": 3, "draft_model": str(head)},
+        {"method": "standalone", "num_steps": 3, "draft_model": target},
     ]
     configs = [_config(target, 2, 16, SpeculativeConfig.from_value(s)) for s in specs]
     got = _run_tp2(configs, prompts)
@@ -137,6 +139,8 @@ def test_tp2_speculative_equals_tp1(models, prompts, tmp_path):
         assert [o.token_ids for o in outs] == [o.token_ids for o in expected], spec["method"]
         assert all(o.meta["spec_verify_ct"] > 0 for o in outs)
     assert sum(o.meta["spec_accepted_tokens"] for o in got[0][0]) > 0  # n-gram drafts got accepted
+    standalone = got[2][0]
+    assert all(o.meta["spec_accepted_tokens"] == o.meta["spec_draft_tokens"] for o in standalone)
 
 
 # ---- in-process: sharding math, loaded shards, step packing, config --------------------------------
