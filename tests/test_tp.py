@@ -58,7 +58,7 @@ def models(smollm2_gguf, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    """Five prompts of 3..45 tokens whose motifs repeat (so n-gram lookups hit)."""
+    """Five prompts of 3 to 35 tokens whose motifs repeat (so n-gram lookups hit)."""
     rng = random.Random(7)
     out = []
     for i in range(5):
@@ -98,10 +98,10 @@ def _run_tp2(configs: list[EngineConfig], prompts: list[list[int]]) -> list[tupl
     with local_tp_group(configs, timeout_s=TIMEOUT_S, join_timeout_s=TIMEOUT_S) as tp:
         for config in configs:
             engine = Engine(config, tp=tp)
-            # Rank 0 really holds a shard: fewer KV heads in its cache, a broadcasting runner.
-            assert engine.kv_cache.k.shape[2] < engine.arch.num_kv_heads
-            assert isinstance(engine.runner, DriverRunner)
             try:
+                # Rank 0 really holds a shard: fewer KV heads in its cache, a broadcasting runner.
+                assert engine.kv_cache.k.shape[2] < engine.arch.num_kv_heads
+                assert isinstance(engine.runner, DriverRunner)
                 results.append((_generate(engine, prompts), last_logits(engine, prompts)))
                 engine.check_kv_accounting()
             finally:
