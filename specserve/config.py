@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,11 @@ ATTENTION_BACKENDS = ("torch",)
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
+
+
+def _require_known(fields: Mapping, cls: type, name: str) -> None:
+    unknown = set(fields) - set(cls.__dataclass_fields__)
+    _require(not unknown, name, f"unknown settings {sorted(unknown)}")
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,7 @@ class SpeculativeConfig:
             return cls(method=value)
         if not isinstance(value, dict):
             raise ValueError("speculative: must be null, a method name or a mapping of settings")
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        _require(not unknown, "speculative", f"unknown settings {sorted(unknown)}")
+        _require_known(value, cls, "speculative")
         return cls(**value)
 
 
@@ -119,6 +124,8 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "torch"
     seed: int = 0
+    # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).
+    tp_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
@@ -141,10 +148,31 @@ class EngineConfig:
             "attention_backend",
             f"must be one of {list(ATTENTION_BACKENDS)}",
         )
+        _require(
+            isinstance(self.tp_size, int) and not isinstance(self.tp_size, bool) and self.tp_size >= 1,
+            "tp_size",
+            "must be an integer >= 1",
+        )
         self.cache.validate()
         self.scheduler.validate()
         if self.speculative is not None:
             self.speculative.validate()
+
+    @classmethod
+    def from_value(cls, value: EngineConfig | Mapping) -> EngineConfig:
+        """Accept a config or a mapping of its fields (nested ones as mappings too, as
+        `dataclasses.asdict` writes them): what a Ray actor receives."""
+        if isinstance(value, EngineConfig):
+            return value
+        _require(isinstance(value, Mapping), "config", "must be an EngineConfig or a mapping of its fields")
+        fields = dict(value)
+        _require_known(fields, cls, "config")
+        for name, sub in (("cache", CacheConfig), ("scheduler", SchedulerConfig)):
+            if isinstance(fields.get(name), Mapping):
+                _require_known(fields[name], sub, name)
+                fields[name] = sub(**fields[name])
+        fields["speculative"] = SpeculativeConfig.from_value(fields.get("speculative"))
+        return cls(**fields)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -22,6 +22,10 @@ class LLM:
     `device`/`dtype` default to the GPU in bf16 when there is one, else the CPU in fp32.
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
     (e.g. `{"method": "ngram", "num_steps": 4}`) or a method name.
+
+    An LLM is one process (tensor-parallel size 1). A tensor-parallel engine is an
+    `Engine(EngineConfig(..., tp_size=N), tp=...)` on rank 0 of a group whose other ranks run
+    `specserve.executor.follower.run_follower` (on one host: `specserve.executor.local.local_tp_group`).
     """
 
     def __init__(

@@ -14,7 +14,8 @@ from specserve.types import SamplingParams
 
 
 def last_logits(engine: Engine, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Last-position logits [B, V] of a batch of prompts, through the engine's paged path in one step."""
+    """Last-position logits [B, V] of a batch of prompts, through the engine's paged path in one step
+    (its runner: under TP rank 0 this drives the followers too)."""
     reqs = [
         Request(f"probe-{i}", list(p), SamplingParams(max_new_tokens=1), seed=0)
         for i, p in enumerate(prompts)
@@ -24,9 +25,8 @@ def last_logits(engine: Engine, prompts: Sequence[Sequence[int]]) -> torch.Tenso
             assert engine.kv.reserve(req, req.prompt_len), "KV pool too small for the probe"
         items = [ScheduledItem.of(req, req.prompt_len) for req in reqs]
         inp = build_step_input(items, engine.kv.page_size, engine.device)
-        ctx = engine.backend.prepare(inp.attention, engine.kv_cache)
-        hidden = engine.model(inp.input_ids, inp.positions, ctx)
-        return engine.model.compute_logits(hidden[inp.logit_rows][inp.sample_logit_rows])
+        _, _, logits = engine.runner.execute(inp)
+        return logits[inp.sample_logit_rows]
     finally:
         for req in reqs:
             engine.kv.free(req)

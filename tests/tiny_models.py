@@ -61,10 +61,13 @@ def save_tiny_llama3(
 
 
 def save_tiny_qwen2(
-    path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None, **shape
 ) -> Path:
-    """2 layers, GQA 4/2, q/k/v bias (always on in Qwen2), tied embeddings."""
-    config = Qwen2Config(**_shape(tokenizer, vocab_size), num_hidden_layers=2, tie_word_embeddings=True)
+    """2 layers, GQA 4/2, q/k/v bias (always on in Qwen2), tied embeddings. `shape` overrides config
+    fields (e.g. 6 query / 3 KV heads for an uneven tensor-parallel split)."""
+    config = Qwen2Config(
+        **{**_shape(tokenizer, vocab_size), **shape}, num_hidden_layers=2, tie_word_embeddings=True
+    )
     return _save(Qwen2ForCausalLM, config, path, tokenizer)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.torch_backend import TorchAttentionBackend
-from specserve.config import EngineConfig
+from specserve.config import CacheConfig, EngineConfig
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.logprobs import StepLogprobs, step_logprobs
@@ -26,10 +26,13 @@ from specserve.engine.sampler import SamplingRow
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
+from specserve.executor.runner import make_runner
+from specserve.executor.tp_group import agree_num_pages
 from specserve.model.arch import ModelArch
 from specserve.model.draft_heads import HEAD_METHODS, DraftHead
 from specserve.model.head_checkpoint import load_head
 from specserve.model.loader import LoadedModel, load_model
+from specserve.model.parallel import NO_TP, TPInfo, head_shard
 from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
@@ -41,10 +44,20 @@ CPU_DEFAULT_TOKENS = 65536  # the CPU pool is allocated lazily, so a generous de
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    """`tp`: this process's place in the target's TP group (rank 0 only; the other ranks run
+    `specserve.executor.follower.run_follower`). The group must be initialised first and its size
+    equal `config.tp_size`; without it the engine is single-process."""
+
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, tp: TPInfo | None = None
+    ) -> None:
         self.config = config
+        self.tp = tp or NO_TP
+        _check_tp(config, self.tp, loaded)
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
-        self.loaded = loaded or load_model(config.model, self.device, self.dtype)
+        self.loaded = loaded or load_model(
+            config.model, self.device, self.dtype, self.tp, full_vocab=_uses_head(config)
+        )
         weight = self.loaded.model.lm_head.weight
         if weight.device.type != self.device.type or weight.dtype != self.dtype:
             raise ValueError(
@@ -56,10 +69,13 @@ class Engine:
         page_size = config.cache.page_size
         draft_weights = self._drafter_weights()
         num_pages = self._num_pages(_kv_arch(draft_weights))
-        self.kv_cache = KVCache.allocate(self.arch, num_pages, page_size, self.dtype, self.device)
+        self.kv_cache = KVCache.allocate(
+            self.arch, num_pages, page_size, self.dtype, self.device, local_kv_heads(self.arch, self.tp)
+        )
         self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.backend: AttentionBackend = TorchAttentionBackend()
+        self.backend: AttentionBackend = attention_backend(config)
+        self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp)
         self.drafter = self._make_drafter(draft_weights, num_pages)
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
@@ -107,10 +123,8 @@ class Engine:
         if not items:
             return outputs
         inp = build_step_input(items, self.kv.page_size, self.device)
-        ctx = self.backend.prepare(inp.attention, self.kv_cache)
         capture = self.drafter.capture if self.drafter is not None else None
-        hidden, aux = self.model.forward_features(inp.input_ids, inp.positions, ctx, capture or ())
-        logits = self.model.compute_logits(hidden[inp.logit_rows])
+        hidden, aux, logits = self.runner.execute(inp, capture or ())
         emitted = self._verify(items, inp, logits)
         if capture is not None:
             self.drafter.after_target(_target_feeds(items, emitted), hidden if aux is None else aux)
@@ -124,6 +138,10 @@ class Engine:
             req.draft, req.draft_probs = [], None
             req.draft_computed = min(req.draft_computed, req.num_computed)
         return outputs
+
+    def shutdown(self) -> None:
+        """Release the TP followers (their loops return); the engine cannot step afterwards."""
+        self.runner.shutdown()
 
     def flush_cache(self) -> bool:
         self.kv.flush()
@@ -176,8 +194,10 @@ class Engine:
         if spec is None or spec.method == "ngram":
             return None
         if spec.method in HEAD_METHODS:
-            return load_head(spec.draft_model, spec.method, self.model, self.device, self.dtype)
-        same = spec.draft_model == self.config.model
+            vocab = self.loaded.full_vocab  # whole copies under TP; None binds the target's own
+            return load_head(spec.draft_model, spec.method, self.model, self.device, self.dtype, vocab)
+        # Under TP the loaded target is this rank's shard: the drafter needs a whole model.
+        same = spec.draft_model == self.config.model and self.tp.size == 1
         return self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)
 
     def _make_drafter(self, weights: DraftHead | LoadedModel | None, num_pages: int) -> Drafter | None:
@@ -197,19 +217,10 @@ class Engine:
         return StandaloneDrafter(weights, vocab, num_pages, page_size, self.dtype, self.device)
 
     def _num_pages(self, draft_arch: ModelArch | None) -> int:
-        cache = self.config.cache
-        tokens = cache.max_total_tokens
-        if tokens is None:
-            gpu = self.device.type == "cuda"
-            tokens = self._gpu_budget_tokens(draft_arch) if gpu else CPU_DEFAULT_TOKENS
-        return -(-tokens // cache.page_size) + 1  # + the dummy page
-
-    def _gpu_budget_tokens(self, draft_arch: ModelArch | None) -> int:
-        free, _ = torch.cuda.mem_get_info(self.device)
-        per_token = KVCache.bytes_per_token(self.arch, self.dtype)
+        per_token = KVCache.bytes_per_token(self.arch, self.dtype, local_kv_heads(self.arch, self.tp))
         if draft_arch is not None:
             per_token += KVCache.bytes_per_token(draft_arch, self.dtype)
-        return int(free * self.config.cache.gpu_memory_fraction) // per_token
+        return agree_num_pages(pool_pages(self.config.cache, self.device, per_token), self.tp, self.device)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -375,6 +386,44 @@ class Engine:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+
+def pool_pages(cache: CacheConfig, device: torch.device, bytes_per_token: int) -> int:
+    """Pages of the KV pool (+ the dummy page): `max_total_tokens`, else what the free GPU memory
+    holds at `bytes_per_token` (target and drafter KV), else a CPU default."""
+    tokens = cache.max_total_tokens
+    if tokens is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * cache.gpu_memory_fraction) // bytes_per_token
+    elif tokens is None:
+        tokens = CPU_DEFAULT_TOKENS
+    return -(-tokens // cache.page_size) + 1
+
+
+def attention_backend(config: EngineConfig) -> AttentionBackend:
+    """The backend `config.attention_backend` names (TP followers build theirs here too)."""
+    return {"torch": TorchAttentionBackend}[config.attention_backend]()
+
+
+def local_kv_heads(arch: ModelArch, tp: TPInfo) -> int:
+    """KV heads this rank's cache holds (all of them at TP size 1)."""
+    return len(head_shard(arch.num_heads, arch.num_kv_heads, tp).kv)
+
+
+def _check_tp(config: EngineConfig, tp: TPInfo, loaded: LoadedModel | None) -> None:
+    if not tp.is_driver:
+        raise ValueError(f"tp_size: rank {tp.rank} follows (run_follower); only rank 0 runs an Engine")
+    if config.tp_size != tp.size:
+        raise ValueError(
+            f"tp_size: the config asks for {config.tp_size} ranks but the engine's TP group has "
+            f"{tp.size}; start the group first (specserve.executor) and pass its TPInfo"
+        )
+    if loaded is not None and loaded.model.tp.size != tp.size:
+        raise ValueError(f"tp_size: the given model is split {loaded.model.tp.size} ways, not {tp.size}")
+
+
+def _uses_head(config: EngineConfig) -> bool:
+    return config.speculative is not None and config.speculative.method in HEAD_METHODS
 
 
 def _kv_arch(weights: DraftHead | LoadedModel | None) -> ModelArch | None:

@@ -3,10 +3,15 @@
 Besides ids, positions and the attention layout, it decides which token rows need logits: the last
 row of each request that completes its known tokens (to sample), and prompt rows whose next token's
 input logprob was asked for. Everything else skips the lm_head.
+
+Every int tensor of a step is a view of one flat int64 buffer (`StepInput.packed`): one host-to-device
+copy, and under tensor parallelism the one tensor rank 0 broadcasts; `StepInput.layout()` holds the
+sizes that cut it up again (`unpack_step_input`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +42,54 @@ class StepInput:
     sample_rows: tuple[range, ...]
     sample_logit_rows: torch.Tensor  # [S] every sample row, concatenated, on the device
     input_logprobs: tuple[InputLogprobRows, ...]
+    packed: torch.Tensor  # the flat int64 device buffer every tensor above is a view of
+
+    def layout(self) -> list[int]:
+        """The sizes (STEP_LAYOUT_LEN ints) that rebuild this step's device tensors from `packed`."""
+        a = self.attention
+        if a.custom_mask is not None:
+            raise NotImplementedError("a step with a custom attention mask cannot be packed yet")
+        return [
+            self.input_ids.shape[0],
+            self.logit_rows.shape[0],
+            self.sample_logit_rows.shape[0],
+            a.batch_size,
+            a.page_table.shape[1],
+            a.page_size,
+            a.max_query_len,
+            a.max_seq_len,
+        ]
+
+
+STEP_LAYOUT_LEN = 8
+
+
+def _packed_shapes(layout: Sequence[int]) -> list[tuple[int, ...]]:
+    """Shapes of the step's arrays in packing order: ids, logit rows, sample rows (the `extra` of
+    `build_step_input`), then positions, query starts, seq lens, slots and page table (`_batch_tensors`)."""
+    tokens, logit_rows, sample_rows, batch, max_pages = layout[:5]
+    return [
+        (tokens,),
+        (logit_rows,),
+        (sample_rows,),
+        (tokens,),
+        (batch + 1,),
+        (batch,),
+        (tokens,),
+        (batch, max_pages),
+    ]
+
+
+def packed_size(layout: Sequence[int]) -> int:
+    return sum(int(np.prod(shape)) for shape in _packed_shapes(layout))
+
+
+def unpack_step_input(layout: Sequence[int], packed: torch.Tensor) -> StepInput:
+    """The device tensors of a step from its packed buffer (a TP follower's copy of rank 0's step).
+    The host-side bookkeeping (sample items, logprob rows) stays empty: only rank 0 reads it."""
+    ids, rows, sample_rows, pos, *layout_tensors = _split(packed, _packed_shapes(layout))
+    attention = _attention_batch(layout_tensors, *layout[5:8])
+    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed)
 
 
 def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.device) -> StepInput:
@@ -61,7 +114,7 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
             sample_rows.append(range(len(logit_rows), len(logit_rows) + 1 + len(item.draft)))
             logit_rows.extend(range(offset + item.num_known - 1, offset + item.num_tokens))
     flat_sample_rows = [r for rows in sample_rows for r in rows]
-    (input_ids, rows, sample_rows_t), pos, attention = _batch_tensors(
+    (input_ids, rows, sample_rows_t), pos, attention, packed = _batch_tensors(
         [item.request for item in items],
         [item.start for item in items],
         [item.num_tokens for item in items],
@@ -78,6 +131,7 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
         sample_rows=tuple(sample_rows),
         sample_logit_rows=sample_rows_t,
         input_logprobs=tuple(input_lp),
+        packed=packed,
     )
 
 
@@ -100,9 +154,10 @@ def _batch_tensors(
     extra: list,
     page_size: int,
     device: torch.device,
-) -> tuple[list[torch.Tensor], torch.Tensor, AttentionBatch]:
+) -> tuple[list[torch.Tensor], torch.Tensor, AttentionBatch, torch.Tensor]:
     """Positions and the attention layout of requests computing `query_lens` tokens from `starts` on,
-    copied to the device in one transfer together with the caller's `extra` int arrays."""
+    copied to the device in one transfer together with the caller's `extra` int arrays; last, the
+    flat buffer they all view."""
     ctx = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, query_lens, strict=True)]
     slots = [
         np.asarray(r.pages, dtype=np.int64)[c // page_size] * page_size + c % page_size
@@ -117,17 +172,26 @@ def _batch_tensors(
         np.concatenate(slots),
         _page_table(requests, seq_lens, page_size),
     ]
-    *extras, pos, query_start, seq_lens_t, slot_mapping, table = _to_device(host, device)
-    attention = AttentionBatch(
+    views, packed = _to_device(host, device)
+    *extras, pos = views[:-4]
+    attention = _attention_batch(views[-4:], page_size, max(query_lens), max(seq_lens))
+    return extras, pos, attention, packed
+
+
+def _attention_batch(
+    tensors: list[torch.Tensor], page_size: int, max_query_len: int, max_seq_len: int
+) -> AttentionBatch:
+    """From the device views (query starts, seq lens, slots, page table) in packing order."""
+    query_start, seq_lens, slot_mapping, page_table = tensors
+    return AttentionBatch(
         query_start=query_start,
-        seq_lens=seq_lens_t,
+        seq_lens=seq_lens,
         slot_mapping=slot_mapping,
-        page_table=table,
+        page_table=page_table,
         page_size=page_size,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
     )
-    return extras, pos, attention
 
 
 def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) -> np.ndarray:
@@ -139,17 +203,23 @@ def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) ->
     return table
 
 
-def _to_device(arrays: list, device: torch.device) -> list[torch.Tensor]:
-    """One host-to-device copy (from pinned memory on GPU) for every int64 input of the step."""
+def _to_device(arrays: list, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One host-to-device copy (from pinned memory on GPU) for every int64 input of the step: views
+    of the arrays, and the flat buffer."""
     flat = [np.asarray(a, dtype=np.int64) for a in arrays]
     host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in flat]))
     if device.type == "cuda":
         host = host.pin_memory()
     buffer = host.to(device, non_blocking=True)
+    return _split(buffer, [a.shape for a in flat]), buffer
+
+
+def _split(buffer: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     out, offset = [], 0
-    for a in flat:
-        out.append(buffer[offset : offset + a.size].view(a.shape))
-        offset += a.size
+    for shape in shapes:
+        size = int(np.prod(shape))
+        out.append(buffer[offset : offset + size].view(shape))
+        offset += size
     return out
 
 
@@ -170,7 +240,7 @@ def build_draft_input(
     draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
     ids = [t for _, _, tokens in feeds for t in tokens]
     query_lens = [len(tokens) for _, _, tokens in feeds]
-    (input_ids, last), pos, attention = _batch_tensors(
+    (input_ids, last), pos, attention, _ = _batch_tensors(
         [req for req, _, _ in feeds],
         [start for _, start, _ in feeds],
         query_lens,

@@ -27,8 +27,9 @@ from torch import nn
 
 from specserve.attention.backend import AttentionContext
 from specserve.model.arch import ModelArch
-from specserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
-from specserve.model.llama import Attention, DecoderLayer, LlamaForCausalLM
+from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.model.llama import Attention, DecoderLayer, SwiGLU
+from specserve.model.parallel import TPShard
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp")
 
@@ -150,12 +151,18 @@ class DraftHead(nn.Module):
         # EAGLE-3: target id of each draft-vocabulary id (None: the vocabularies are the same).
         self.register_buffer("draft_to_target", None, persistent=False)
         self.rope = RotaryEmbedding(arch)
-        self._target: tuple[LlamaForCausalLM, ...] = ()
+        self._target: tuple[nn.Module, ...] = ()  # (embed_tokens, lm_head), set by bind
 
-    def bind(self, target: LlamaForCausalLM) -> None:
+    def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         """Use the target's embedding and lm_head where the head has none (held, not registered, so
-        the target's weights are neither copied nor saved with the head)."""
-        self._target = (target,)
+        the target's weights are neither copied nor saved with the head). They must be whole: under
+        TP the target's are vocab-sharded, and rank 0 binds full copies instead (a drafter never
+        issues collectives; specserve/executor/__init__.py says why)."""
+        if isinstance(embed_tokens, TPShard) or isinstance(lm_head, TPShard):
+            raise ValueError(
+                "speculative.draft_model: a draft head needs the unsharded embedding and lm_head"
+            )
+        self._target = (embed_tokens, lm_head)
 
     def module_for_step(self, step: int) -> int:
         return min(step, len(self.step_modules) - 1)
@@ -172,7 +179,7 @@ class DraftHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of step module `module` over [T] tokens: (the hidden state the next step
         consumes [T, H], the hidden state its lm_head reads [T, H])."""
-        emb = (self.embed_tokens or self._target[0].model.embed_tokens)(input_ids)
+        emb = (self.embed_tokens or self._target[0])(input_ids)
         return self.step_modules[module](emb, hidden, positions, self.rope, ctx, from_target)
 
     @torch.inference_mode()
@@ -184,7 +191,7 @@ class DraftHead(nn.Module):
         own = getattr(self.step_modules[module], "shared_head", None)
         if own is not None and own.head is not None:
             return own.head
-        return self.lm_head or self._target[0].lm_head
+        return self.lm_head or self._target[1]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_to_target is None else self.draft_to_target[draft_ids]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from specserve.model.arch import ModelArch, arch_from_hf_config
 from specserve.model.draft_heads import HEAD_METHODS, DraftHead, HeadSpec
@@ -36,9 +37,15 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def load_head(
-    folder: str | Path, method: str, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+    folder: str | Path,
+    method: str,
+    target: LlamaForCausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    vocab: tuple[nn.Module, nn.Module] | None = None,
 ) -> DraftHead:
-    """The head in `folder`, on `device` in `dtype`, bound to `target`'s embedding and lm_head."""
+    """The head in `folder`, on `device` in `dtype`, bound to `target`'s embedding and lm_head, or to
+    `vocab` = (embed_tokens, lm_head) when given (whole copies of a TP-sharded target's)."""
     folder = Path(folder)
     if method not in HEAD_METHODS:
         raise ValueError(f"speculative.method: {method!r} has no draft head (one of {list(HEAD_METHODS)})")
@@ -58,7 +65,7 @@ def load_head(
     head.rope = RotaryEmbedding(spec.arch).to(device)
     if d2t is not None:
         head.draft_to_target = (d2t.long() + torch.arange(d2t.shape[0])).to(device)
-    head.bind(target)
+    head.bind(*(vocab or (target.model.embed_tokens, target.lm_head)))
     return head.eval()
 
 

@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, stacked projections."""
 
 from __future__ import annotations
 
@@ -89,16 +89,3 @@ class StackedLinear(nn.Linear):
                 return slice(start, start + width)
             start += width
         raise KeyError(name)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = StackedLinear(
-            hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=False
-        )
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)

@@ -13,25 +13,37 @@ from torch import nn
 
 from specserve.attention.backend import AttentionContext
 from specserve.model.arch import ModelArch
-from specserve.model.layers import RMSNorm, RotaryEmbedding, StackedLinear, SwiGLU
+from specserve.model.layers import RMSNorm, RotaryEmbedding
+from specserve.model.parallel import (
+    NO_TP,
+    TPInfo,
+    embedding,
+    gate_up_projection,
+    head_shard,
+    lm_head,
+    partition_rows,
+    qkv_projection,
+    row_projection,
+)
 from specserve.model.weights import load_stacked_weights
 
 
 class Attention(nn.Module):
-    """`layer` indexes the KV cache; `in_features` is wider than hidden in EAGLE-3's draft layer."""
+    """`layer` indexes the KV cache; `in_features` is wider than hidden in EAGLE-3's draft layer.
+    Under TP it holds this rank's KV groups (`num_heads` / `num_kv_heads` count local heads)."""
 
-    def __init__(self, arch: ModelArch, layer: int, in_features: int | None = None) -> None:
+    def __init__(
+        self, arch: ModelArch, layer: int, in_features: int | None = None, tp: TPInfo = NO_TP
+    ) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        heads = head_shard(arch.num_heads, arch.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = len(heads.q), len(heads.kv), arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = StackedLinear(
-            in_features or arch.hidden_size,
-            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-            bias=arch.attention_bias,
-        )
+        self.qkv_proj = qkv_projection(in_features or arch.hidden_size, arch, heads, tp)
         self.split = (q_size, kv_size, kv_size)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
+        q_columns = arch.num_heads * arch.head_dim
+        self.o_proj = row_projection(heads.q_rows(arch.head_dim), q_columns, arch.hidden_size, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
@@ -46,15 +58,29 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
+class SwiGLU(nn.Module):
+    """Under TP: this rank's intermediate rows of gate/up, and the matching columns of down_proj."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPInfo = NO_TP) -> None:
+        super().__init__()
+        rows = partition_rows(intermediate, tp.size, tp.rank, "intermediate")
+        self.gate_up_proj = gate_up_projection(hidden, intermediate, rows, tp)
+        self.down_proj = row_projection(rows, intermediate, hidden, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; EAGLE-1 heads drop the first layer's input norm."""
 
-    def __init__(self, arch: ModelArch, layer: int, input_norm: bool = True) -> None:
+    def __init__(self, arch: ModelArch, layer: int, input_norm: bool = True, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if input_norm else nn.Identity()
-        self.self_attn = Attention(arch, layer)
+        self.self_attn = Attention(arch, layer, tp=tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
+        self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
@@ -64,22 +90,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.embed_tokens = embedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp=tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward() returns final-normed hidden states [T, hidden]; compute_logits() maps chosen rows to fp32 logits."""
+    """forward() returns final-normed hidden states [T, hidden]; compute_logits() maps chosen rows to fp32 logits.
 
-    def __init__(self, arch: ModelArch) -> None:
+    Under TP (`tp.size > 1`) each rank holds its shard; every rank must run the same forward and
+    compute_logits calls in the same order (they issue collectives), and all get the full results."""
+
+    def __init__(self, arch: ModelArch, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch)
+        self.arch, self.tp = arch, tp
+        self.model = LlamaModel(arch, tp)
         self.rope = RotaryEmbedding(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -1,0 +1,98 @@
+"""The target's forward for one engine step, and the protocol that keeps a TP group in lockstep.
+
+Per step, rank 0 broadcasts a header [command, *StepInput.layout()] and then the step's packed int64
+buffer (ids, logit rows, positions and the attention layout, exactly what `build_step_input` copied
+to the device); every rank then runs the forward (row-parallel all-reduces inside) and the logits
+(one all-gather). A header with command SHUTDOWN ends the followers' loop. The EAGLE-3 capture
+list is not sent: it changes which residual streams rank 0 keeps, never which collectives run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from specserve.attention.backend import AttentionBackend
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.step_input import STEP_LAYOUT_LEN, StepInput, packed_size, unpack_step_input
+from specserve.model.llama import LlamaForCausalLM
+from specserve.model.parallel import TPInfo
+
+SHUTDOWN, STEP = 0, 1
+HEADER_LEN = 1 + STEP_LAYOUT_LEN
+
+StepResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+class ModelRunner:
+    """One step of the target: (final hidden [T, H], captured residual streams or None, fp32 logits
+    of `step.logit_rows` [R, V]). At TP size 1 this is the whole story: a direct call."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache) -> None:
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+
+    def execute(self, step: StepInput, capture: tuple[int, ...] = ()) -> StepResult:
+        ctx = self.backend.prepare(step.attention, self.kv_cache)
+        hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture)
+        return hidden, aux, self.model.compute_logits(hidden[step.logit_rows])
+
+    def shutdown(self) -> None:
+        """Release the followers (none at size 1)."""
+
+
+class DriverRunner(ModelRunner):
+    """TP rank 0: tell the followers each step before running it alongside them."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache, tp: TPInfo
+    ) -> None:
+        super().__init__(model, backend, kv_cache)
+        self.tp, self.closed = tp, False
+        self.src = _driver_rank(tp)
+
+    def execute(self, step: StepInput, capture: tuple[int, ...] = ()) -> StepResult:
+        if self.closed:
+            raise RuntimeError("the TP group was shut down")
+        self._send_header(STEP, step.layout())
+        dist.broadcast(step.packed, src=self.src, group=self.tp.group)
+        return super().execute(step, capture)
+
+    def shutdown(self) -> None:
+        if not self.closed:
+            self._send_header(SHUTDOWN, [0] * STEP_LAYOUT_LEN)
+            self.closed = True
+
+    def _send_header(self, command: int, layout: list[int]) -> None:
+        header = torch.tensor([command, *layout], dtype=torch.int64, device=self.kv_cache.k.device)
+        dist.broadcast(header, src=self.src, group=self.tp.group)
+
+
+def make_runner(
+    model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache, tp: TPInfo
+) -> ModelRunner:
+    """A direct call at TP size 1, else rank 0's broadcasting runner."""
+    if tp.size == 1:
+        return ModelRunner(model, backend, kv_cache)
+    return DriverRunner(model, backend, kv_cache, tp)
+
+
+def follower_loop(model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache, tp: TPInfo) -> int:
+    """Run every step rank 0 broadcasts until it sends SHUTDOWN; returns the number of steps run."""
+    runner = ModelRunner(model, backend, kv_cache)
+    device, src = kv_cache.k.device, _driver_rank(tp)
+    steps = 0
+    while True:
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        dist.broadcast(header, src=src, group=tp.group)
+        command, *layout = header.tolist()
+        if command == SHUTDOWN:
+            return steps
+        packed = torch.empty(packed_size(layout), dtype=torch.int64, device=device)
+        dist.broadcast(packed, src=src, group=tp.group)
+        runner.execute(unpack_step_input(layout, packed))
+        steps += 1
+
+
+def _driver_rank(tp: TPInfo) -> int:
+    """The global rank of the group's rank 0 (what broadcast's `src` names)."""
+    return 0 if tp.group is None else dist.get_global_rank(tp.group, 0)
