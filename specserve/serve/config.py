@@ -140,6 +140,7 @@ class ServeConfig(BaseModel):
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            tp_size=self.tp_size,
             cache=CacheConfig(
                 page_size=self.page_size,
                 max_total_tokens=self.max_total_tokens,

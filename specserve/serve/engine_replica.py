@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from ray import serve
@@ -29,7 +29,7 @@ class EngineReplica:
     def __init__(self, config: dict[str, Any], gpu: bool) -> None:
         from specserve.engine.async_engine import AsyncEngine
         from specserve.engine.engine import Engine
-        from specserve.executor.tp_group import init_tp_group, pick_rendezvous_address
+        from specserve.executor.tp_group import init_tp_group, pick_rendezvous_address, tp_backend
 
         self.config = ServeConfig.model_validate(config)
         # Ray decided the accelerator when it placed the replica (`placement.uses_gpu`).
@@ -39,8 +39,9 @@ class EngineReplica:
         tp = None
         if self.config.tp_size > 1:
             address = pick_rendezvous_address()
-            self.followers = start_followers(self.config, engine_config, address, gpu, device)
-            tp = init_tp_group(0, self.config.tp_size, address, "nccl" if gpu else "gloo")
+            self.followers = start_followers(self.config, asdict(engine_config), address, gpu)
+            torch_device = engine_config.torch_device()
+            tp = init_tp_group(0, self.config.tp_size, address, tp_backend(torch_device), torch_device)
         engine = Engine(engine_config, tp=tp)
         self.engine = AsyncEngine(
             engine, max_queued_requests=self.config.max_queued_requests, model_name=self.config.model_name

@@ -54,10 +54,10 @@ def engine_deployment_options(config: ServeConfig, gpu: bool) -> dict[str, Any]:
 class TPFollower:
     """Rank r > 0 of a replica's TP group: runs the target model's shard in lockstep with rank 0."""
 
-    def run(self, engine_config: Any, rank: int, size: int, address: str, device: str) -> None:
+    def run(self, engine_config: Any, rank: int, size: int, address: str) -> int:
         from specserve.executor.follower import run_follower
 
-        run_follower(engine_config, rank, size, address, device)
+        return run_follower(engine_config, rank, size, address)
 
     def ready(self) -> bool:
         return True
@@ -86,9 +86,7 @@ class FollowerGroup:
             ray.kill(actor, no_restart=True)
 
 
-def start_followers(
-    config: ServeConfig, engine_config: Any, address: str, gpu: bool, device: str
-) -> FollowerGroup:
+def start_followers(config: ServeConfig, engine_config: Any, address: str, gpu: bool) -> FollowerGroup:
     """Start ranks 1..N-1 in bundles 1..N-1 of this replica's placement group."""
     group = get_current_placement_group()
     actors, loops = [], []
@@ -102,5 +100,5 @@ def start_followers(
             num_cpus=config.cpus_per_rank, num_gpus=1 if gpu else 0, scheduling_strategy=strategy
         ).remote()
         actors.append(actor)
-        loops.append(actor.run.remote(engine_config, rank, config.tp_size, address, device))
+        loops.append(actor.run.remote(engine_config, rank, config.tp_size, address))
     return FollowerGroup(actors, loops)
