@@ -91,14 +91,14 @@ def test_client_disconnect_aborts_the_request(served, path, stream, spec):
         body = {"prompt": [5, 6, 7], "max_tokens": None, "ignore_eos": True}
     else:
         body = {"messages": [{"role": "user", "content": "Talk."}], "ignore_eos": True}
-    before = served.finished("abort")
+    before, ran_out = served.finished("abort"), served.finished("length")
     status, chunks = asyncio.run(
         _call_and_leave(served.app, path, {**body, "stream": stream}, spec, leave_after=2 if stream else 0)
     )
-    assert status == (200 if stream else 499)
+    assert status == (200 if stream else 499) and chunks >= (2 if stream else 1)
     assert served.client.wait_idle(60)
     assert served.finished("abort") == before + 1
-    assert served.finished("length") == 0  # nothing ran to the end of the context
+    assert served.finished("length") == ran_out  # it did not run to the end of the context
     served.client.engine.check_kv_accounting()  # the thread is idle: safe to look from here
 
 

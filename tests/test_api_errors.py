@@ -121,3 +121,23 @@ def test_a_refused_batch_starts_nothing(served):
     assert served.client.wait_idle(60)
     assert served.finished("abort") - before in (0, 1)
     assert served.client.engine.load()["num_running"] == 0
+
+
+def test_every_schema_field_is_described(served):
+    from pydantic import BaseModel
+
+    from specserve.api import native_schemas, openai_schemas
+
+    models = [
+        m
+        for module in (openai_schemas, native_schemas)
+        for m in vars(module).values()
+        if isinstance(m, type) and issubclass(m, BaseModel) and m is not BaseModel
+    ]
+    assert len(models) > 20
+    undescribed = [
+        f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items() if not f.description
+    ]
+    assert undescribed == []
+    schema = served.http.get("/openapi.json")
+    assert schema.status_code == 200 and "/generate" in schema.json()["paths"]

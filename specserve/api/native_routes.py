@@ -31,7 +31,7 @@ def native_router(client: EngineClient) -> APIRouter:
         results = [_result(f.output) for f in done]
         return results if body.batched else results[0]
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:
         ok = await client.flush_cache()
         return {
