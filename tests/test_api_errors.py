@@ -89,7 +89,7 @@ def _assert_400(response, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     assert error["param"] == param, error
-    assert error["message"]
+    assert error["message"].startswith(f"{param}: " if param else ""), error
 
 
 @pytest.mark.parametrize(("route", "body", "param"), BAD, ids=[f"{r}:{p}" for r, _, p in BAD])

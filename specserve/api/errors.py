@@ -67,16 +67,15 @@ def bad_request(exc: ValueError, fields: Mapping[str, str | None]) -> ApiError:
     look like fields pass through as they are.
     """
     text = str(exc)
-    name, sep, _ = text.partition(": ")
-    param = None
-    if sep:
-        root = name.split("[", 1)[0]
-        if root in fields:
-            mapped = fields[root]
-            param = None if mapped is None else mapped + name[len(root) :]
-        elif _FIELD.match(name):
-            param = name
-    return ApiError(400, text, param)
+    name, sep, rest = text.partition(": ")
+    if not sep:
+        return ApiError(400, text)
+    root = name.split("[", 1)[0]
+    if root in fields:
+        mapped = fields[root]
+        param = None if mapped is None else mapped + name[len(root) :]
+        return ApiError(400, f"{param or name}: {rest}", param)
+    return ApiError(400, text, name if _FIELD.match(name) else None)
 
 
 def engine_error(exc: Exception) -> ApiError | None:
