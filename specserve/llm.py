@@ -8,6 +8,7 @@ from typing import Any
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from specserve.engine.engine import Engine
 from specserve.model.loader import LoadedModel
+from specserve.model.tokenizer import chat_prompt_ids
 from specserve.types import RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -100,12 +101,7 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def _chat_ids(self, conversation: Sequence[Message]) -> list[int]:
-        if not isinstance(conversation, Sequence) or not all(isinstance(m, dict) for m in conversation):
-            raise ValueError("messages: must be a list of {'role': ..., 'content': ...} dicts")
-        ids = self.tokenizer.apply_chat_template(
-            list(conversation), tokenize=True, add_generation_prompt=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, conversation)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

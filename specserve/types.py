@@ -26,7 +26,9 @@ def _is_number(value: Any) -> bool:
 class SamplingParams:
     """How one request is decoded; the fields and defaults follow SGLang's native `sampling_params`."""
 
-    max_new_tokens: int = 128
+    # None: up to the context length (what an OpenAI chat request without max_tokens asks for);
+    # the engine resolves it at admission, so a `Request` always holds an integer.
+    max_new_tokens: int | None = 128
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -55,16 +57,20 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(
-            _is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+            self.max_new_tokens is None or (_is_int(self.max_new_tokens) and self.max_new_tokens >= 0),
             "max_new_tokens",
-            "must be an integer >= 0",
+            "must be null or an integer >= 0",
         )
         _check(
             _is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
             "min_new_tokens",
             "must be an integer >= 0",
         )
-        _check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must not exceed max_new_tokens")
+        _check(
+            self.max_new_tokens is None or self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            "must not exceed max_new_tokens",
+        )
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(
@@ -120,6 +126,18 @@ class SamplingParams:
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs at one output position, each entry `[logprob, token_id, text]` as the native API has them.
+
+    `top` is filled when `top_logprobs_num` > 0, `chosen` when `token_ids_logprob` is set.
+    """
+
+    token: LogprobEntry
+    top: list[LogprobEntry] = field(default_factory=list)
+    chosen: list[LogprobEntry] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """A request's result so far; `finished` marks the last one. `meta` is the native `meta_info`."""
 
@@ -132,3 +150,5 @@ class RequestOutput:
     # What is new since the previous output of this request (for streaming).
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # With `return_logprob`: one entry per delta token, so streams carry logprobs as tokens arrive.
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)

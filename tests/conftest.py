@@ -68,3 +68,16 @@ def mtbench_questions() -> list[str]:
 
     lines = dataset_path("mt-bench").read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(smollm2_gguf, tmp_path_factory):
+    """A seeded random tiny Llama-3 with SmolLM2's tokenizer and chat template, loaded once (CPU, fp32);
+    engines built on it share the weights."""
+    from specserve.model.loader import load_model
+    from specserve.model.tokenizer import load_tokenizer
+
+    from tiny_models import save_tiny_llama3
+
+    folder = save_tiny_llama3(tmp_path_factory.mktemp("tiny_llama") / "model", load_tokenizer(smollm2_gguf))
+    return load_model(str(folder), torch.device("cpu"), torch.float32)

@@ -6,6 +6,7 @@ Everything runs in the caller's thread; a server drives `step()` in a loop and f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import time
@@ -93,6 +94,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
+        params = self._resolve_max_new_tokens(prompt_ids, params)
         self._validate(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = frozenset(self.loaded.eos_token_ids)
@@ -112,6 +114,19 @@ class Engine:
         req.finish({"type": "abort", "message": "aborted"})
         self._pending.append(self._emit(req, []))
         return True
+
+    def load(self) -> dict[str, float]:
+        """Cheap load figures for health checks and autoscaling: request counts and KV usage."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv.usage(),
+            "num_retracted": self.scheduler.num_retracted,
+        }
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether a request is waiting or running (known and not finished)."""
+        return request_id in self._requests
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -164,10 +179,26 @@ class Engine:
             raise ValueError("input_ids: must be a list of integers")
         return list(prompt)
 
+    def _resolve_max_new_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """max_new_tokens None: whatever the context (and the KV pool) leaves after the prompt."""
+        if params.max_new_tokens is not None:
+            return params
+        room = min(self.max_model_len, self.kv.capacity_tokens) - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens leave no room to generate within the context length "
+                f"{min(self.max_model_len, self.kv.capacity_tokens)}"
+            )
+        return dataclasses.replace(params, max_new_tokens=room)
+
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.arch.vocab_size
         if not prompt_ids:
             raise ValueError("prompt: must not be empty")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(prompt_ids)} tokens exceed the context length {self.max_model_len}"
+            )
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"input_ids: every token id must be in [0, {vocab})")
         for name in ("stop_token_ids", "token_ids_logprob"):

@@ -7,7 +7,7 @@ from typing import Any
 
 from specserve.engine.request import LogprobRecord, Request
 from specserve.engine.text import TextState
-from specserve.types import RequestOutput
+from specserve.types import RequestOutput, TokenLogprobs
 
 TokenText = Callable[[int], str]
 
@@ -23,7 +23,30 @@ def make_output(req: Request, text: TextState, token_text: TokenText, delta_ids:
         meta=_meta(req, token_text),
         delta_text=text.take_delta(),
         delta_token_ids=delta_ids,
+        delta_logprobs=_delta_logprobs(req, token_text, len(delta_ids)),
     )
+
+
+def _entry(token_text: TokenText, logprob: float | None, token_id: int) -> list:
+    return [logprob, token_id, token_text(token_id)]
+
+
+def _entries(token_text: TokenText, pairs: list[tuple[int, float]] | None) -> list[list]:
+    return [_entry(token_text, lp, t) for t, lp in pairs or []]
+
+
+def _delta_logprobs(req: Request, token_text: TokenText, num_delta: int) -> list[TokenLogprobs]:
+    """Output logprobs of the last `num_delta` tokens (each token's record is appended with it)."""
+    if not (req.params.return_logprob and num_delta):
+        return []
+    return [
+        TokenLogprobs(
+            _entry(token_text, r.logprob, r.token_id),
+            _entries(token_text, r.top),
+            _entries(token_text, r.chosen),
+        )
+        for r in req.output_logprobs[-num_delta:]
+    ]
 
 
 def _meta(req: Request, token_text: TokenText) -> dict[str, Any]:
@@ -51,12 +74,11 @@ def _meta(req: Request, token_text: TokenText) -> dict[str, Any]:
 def _logprob_meta(
     side: str, records: list[LogprobRecord], req: Request, token_text: TokenText
 ) -> dict[str, Any]:
-    def entry(logprob: float | None, token_id: int) -> list:
-        return [logprob, token_id, token_text(token_id)]
-
-    fields: dict[str, Any] = {f"{side}_token_logprobs": [entry(r.logprob, r.token_id) for r in records]}
+    fields: dict[str, Any] = {
+        f"{side}_token_logprobs": [_entry(token_text, r.logprob, r.token_id) for r in records]
+    }
     if req.params.top_logprobs_num > 0:
-        fields[f"{side}_top_logprobs"] = [[entry(lp, t) for t, lp in r.top or []] for r in records]
+        fields[f"{side}_top_logprobs"] = [_entries(token_text, r.top) for r in records]
     if req.params.token_ids_logprob is not None:
-        fields[f"{side}_token_ids_logprobs"] = [[entry(lp, t) for t, lp in r.chosen or []] for r in records]
+        fields[f"{side}_token_ids_logprobs"] = [_entries(token_text, r.chosen) for r in records]
     return fields

@@ -9,8 +9,11 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import jinja2
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -27,6 +30,31 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     if not cached.is_dir():
         _convert_gguf_tokenizer(path, cached)
     return AutoTokenizer.from_pretrained(cached)
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """A conversation rendered with the tokenizer's chat template, the assistant turn opened.
+
+    Raises ValueError("messages...: ...") for malformed messages or ones the template rejects.
+    """
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...} objects")
+    for i, message in enumerate(messages):
+        if not (
+            isinstance(message, Mapping)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(f"messages[{i}]: must be an object with a string 'role' and a string 'content'")
+    if not tokenizer.chat_template:
+        raise ValueError("messages: the model has no chat template")
+    try:
+        ids = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=True, add_generation_prompt=True
+        )
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"messages: the chat template rejected them ({exc})") from exc
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def eos_token_ids(

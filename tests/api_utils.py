@@ -1,0 +1,50 @@
+"""Helpers for the HTTP API tests (a helper module, not a test file): a real engine behind the app."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from starlette.testclient import TestClient
+
+from specserve import LLM
+from specserve.api.app import make_app
+from specserve.engine.async_engine import AsyncEngine
+
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class Served:
+    client: AsyncEngine
+    http: TestClient
+
+    @property
+    def app(self):
+        return self.http.app
+
+    def finished(self, reason: str) -> float:
+        """How many requests finished with `reason` so far (from the engine's metrics)."""
+        value = self.client.metrics.registry.get_sample_value(
+            "specserve_request_finished_total", {"finish_reason": reason}
+        )
+        return value or 0.0
+
+
+@contextlib.contextmanager
+def serve(loaded, *, max_queued_requests: int = 256, **llm_kwargs) -> Iterator[Served]:
+    """An AsyncEngine over a fresh engine on `loaded` (CPU, fp32) and a TestClient of its app."""
+    llm_kwargs.setdefault("max_total_tokens", 4096)
+    engine = LLM(loaded, device="cpu", dtype="float32", **llm_kwargs).engine
+    client = AsyncEngine(engine, model_name=MODEL_NAME, max_queued_requests=max_queued_requests)
+    try:
+        with TestClient(make_app(client)) as http:
+            yield Served(client, http)
+    finally:
+        client.shutdown()
+
+
+def reference_llm(loaded, **llm_kwargs) -> LLM:
+    llm_kwargs.setdefault("max_total_tokens", 4096)
+    return LLM(loaded, device="cpu", dtype="float32", **llm_kwargs)

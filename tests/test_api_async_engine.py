@@ -1,0 +1,225 @@
+"""AsyncEngine behind the app: client disconnects abort, overload is a 429, a failing step fails only
+its requests, shutdown ends streams and answers 503; all over a real tiny engine (CPU, fp32)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from specserve import SamplingParams
+from specserve.api.client import ChatPrompt, EngineUnavailable
+from specserve.engine.async_engine import EngineStepError
+
+from api_utils import serve
+
+LONG = SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True)  # up to the context
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama):
+    with serve(tiny_llama) as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _idle(served):
+    yield
+    assert served.client.wait_idle(60), "the engine thread did not go idle"
+
+
+async def _call_and_leave(app, path: str, body: dict, spec: str, leave_after: int) -> tuple[int | None, int]:
+    """Drive the ASGI app as a server would; the client goes away after `leave_after` body chunks
+    (ASGI spec 2.0: an http.disconnect message; 2.4: sending fails with OSError)."""
+    payload, gone = json.dumps(body).encode(), asyncio.Event()
+    state = {"status": None, "chunks": 0, "asked": False}
+
+    async def receive():
+        if not state["asked"]:
+            state["asked"] = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        if leave_after > 0 or spec == "2.4":
+            await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            state["status"] = message["status"]
+        elif message.get("body"):
+            if state["chunks"] >= leave_after and spec == "2.4":
+                raise OSError("the client went away")
+            state["chunks"] += 1
+            if state["chunks"] >= leave_after:
+                gone.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"testserver")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("testserver", 80),
+    }
+    try:
+        await app(scope, receive, send)
+    except Exception as exc:  # 2.4: starlette re-raises the failed send as ClientDisconnect
+        assert type(exc).__name__ == "ClientDisconnect"
+    return state["status"], state["chunks"]
+
+
+@pytest.mark.parametrize(
+    ("path", "stream", "spec"),
+    [
+        ("/v1/completions", True, "2.0"),
+        ("/v1/chat/completions", True, "2.4"),
+        ("/generate", True, "2.0"),
+        ("/v1/completions", False, "2.0"),
+    ],
+)
+def test_client_disconnect_aborts_the_request(served, path, stream, spec):
+    if path == "/generate":
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": None, "ignore_eos": True}}
+    elif path == "/v1/completions":
+        body = {"prompt": [5, 6, 7], "max_tokens": None, "ignore_eos": True}
+    else:
+        body = {"messages": [{"role": "user", "content": "Talk."}], "ignore_eos": True}
+    before, ran_out = served.finished("abort"), served.finished("length")
+    status, chunks = asyncio.run(
+        _call_and_leave(served.app, path, {**body, "stream": stream}, spec, leave_after=2 if stream else 0)
+    )
+    assert status == (200 if stream else 499) and chunks >= (2 if stream else 1)
+    assert served.client.wait_idle(60)
+    assert served.finished("abort") == before + 1
+    assert served.finished("length") == ran_out  # it did not run to the end of the context
+    served.client.engine.check_kv_accounting()  # the thread is idle: safe to look from here
+
+
+def test_cancelling_generate_aborts(served):
+    async def scenario():
+        gen = served.client.generate([9, 8, 7], LONG)
+        first = await anext(gen)
+        task = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return first
+
+    before = served.finished("abort")
+    assert not asyncio.run(scenario()).finished
+    assert served.client.wait_idle(60) and served.finished("abort") == before + 1
+
+
+def test_bad_input_raises_before_any_output(served):
+    async def first_of(prompt, params, request_id=None):
+        return await anext(served.client.generate(prompt, params, request_id))
+
+    with pytest.raises(ValueError, match="^top_logprobs_num: "):
+        asyncio.run(first_of("hi", SamplingParams(return_logprob=True, top_logprobs_num=10**6)))
+    with pytest.raises(ValueError, match=r"^messages\[0\]: "):
+        asyncio.run(first_of(ChatPrompt(({"role": "user"},)), SamplingParams()))
+    out = asyncio.run(
+        first_of(ChatPrompt(({"role": "user", "content": "hi"},)), SamplingParams(max_new_tokens=1))
+    )
+    template = served.client.engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True
+    )
+    template = template["input_ids"] if hasattr(template, "keys") else template
+    assert out.finished and out.meta["prompt_tokens"] == len(template)
+
+    async def duplicate_id():
+        gen = served.client.generate([1, 2, 3], LONG, request_id="dup")
+        await anext(gen)
+        try:
+            with pytest.raises(ValueError, match="^request_id: "):
+                await first_of([1, 2], SamplingParams(), request_id="dup")
+        finally:
+            await gen.aclose()
+
+    asyncio.run(duplicate_id())
+
+
+def test_overload_is_a_429_with_retry_after(tiny_llama):
+    with serve(tiny_llama, max_running_requests=1, max_queued_requests=1) as s:
+
+        async def scenario():
+            running = s.client.generate([5, 6, 7], LONG)
+            await anext(running)  # scheduled: it holds the only running slot
+            waiting = asyncio.ensure_future(anext(s.client.generate([8, 9], LONG)))
+            while (await s.client.health())["num_waiting"] < 1:
+                await asyncio.sleep(0.005)
+            transport = httpx.ASGITransport(s.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+                refused = await http.post("/generate", json={"text": "hi"})
+                health = await http.get("/health")
+            waiting.cancel()
+            await running.aclose()
+            return refused, health
+
+        refused, health = asyncio.run(scenario())
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert health.status_code == 200 and health.json()["num_running"] == 1
+        assert s.client.wait_idle(60) and s.finished("length") == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served):
+    model = served.client.engine.model
+    compute_logits, fuse = model.compute_logits, {"calls": 1}
+
+    def blows_on_its_nth_call(hidden):  # a fault injected into the real model
+        fuse["calls"] -= 1
+        if fuse["calls"] == 0:
+            raise RuntimeError("injected fault")
+        return compute_logits(hidden)
+
+    async def scenario():
+        with pytest.raises(EngineStepError, match="injected fault"):
+            async for _ in served.client.generate([4, 5, 6], SamplingParams(max_new_tokens=4)):
+                pass
+        return [out async for out in served.client.generate([4, 5, 6], SamplingParams(max_new_tokens=4))]
+
+    model.compute_logits = blows_on_its_nth_call
+    try:
+        outs = asyncio.run(scenario())
+        fuse["calls"] = 2  # the prefill streams a chunk, then the first decode step fails
+        body = {"prompt": [4, 5, 6], "max_tokens": 4, "stream": True}
+        with served.http.stream("POST", "/v1/completions", json=body) as response:
+            frames = [
+                json.loads(line[6:]) for line in response.iter_lines() if line and line != "data: [DONE]"
+            ]
+    finally:
+        del model.compute_logits
+    assert outs[-1].finished and len(outs[-1].token_ids) == 4
+    assert response.status_code == 200 and frames[0]["choices"][0]["text"] is not None
+    assert frames[-1]["error"]["code"] == 500 and "injected fault" in frames[-1]["error"]["message"]
+    assert served.client.metrics.registry.get_sample_value("specserve_engine_step_errors_total") == 2
+    assert served.http.get("/health").status_code == 200
+
+
+def test_shutdown_ends_streams_and_answers_503(tiny_llama):
+    with serve(tiny_llama) as s:
+
+        async def scenario():
+            gen = s.client.generate([5, 6, 7], LONG)
+            await anext(gen)
+            await asyncio.to_thread(s.client.shutdown)
+            outs = [out async for out in gen]
+            with pytest.raises(EngineUnavailable):
+                await anext(s.client.generate("hi", SamplingParams()))
+            return outs
+
+        outs = asyncio.run(scenario())
+        assert outs[-1].finished and outs[-1].finish_reason == "abort"
+        health = s.http.get("/health")
+        assert health.status_code == 503 and "Retry-After" in health.headers
+        refused = s.http.post("/v1/completions", json={"prompt": "hi"})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
