@@ -83,7 +83,10 @@ class _Abort:
 
 
 @dataclass
-class _Flush:
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps and reply with its result."""
+
+    fn: Any
     reply: _Reply
 
 
@@ -163,7 +166,12 @@ class AsyncEngine:
         return await self._call(lambda reply: _Abort(request_id, reply))
 
     async def flush_cache(self) -> bool:
-        return await self._call(_Flush)
+        return await self._call(lambda reply: _Call(Engine.flush_cache, reply))
+
+    async def check_kv_accounting(self) -> dict[str, Any]:
+        """Invariant 4, checked on the engine thread once no request is left: `ok` and, when not,
+        `error` (requests still running, or the page pool's complaint)."""
+        return await self._call(lambda reply: _Call(self._kv_report, reply))
 
     async def health(self) -> dict[str, Any]:
         if not (self._accepting and self._thread.is_alive()):
@@ -219,6 +227,7 @@ class AsyncEngine:
                         self._handle(command, refuse=stop)
                 if stop:
                     self._abort_all()
+                    self.engine.shutdown()  # TP followers leave their loops (from the thread that stepped)
                 elif self.engine.has_unfinished():
                     self._step()
                 self._publish(len(commands))
@@ -247,8 +256,8 @@ class AsyncEngine:
                 found = self.engine.abort(command.request_id)
                 if command.reply is not None:
                     command.reply.send(found)
-            elif isinstance(command, _Flush):
-                command.reply.send(self.engine.flush_cache())
+            elif isinstance(command, _Call):
+                command.reply.send(command.fn(self.engine))
         except Exception as exc:  # a bug here must not take the loop (and every request) down
             log.exception("handling %s failed", type(command).__name__)
             reply = getattr(command, "reply", None)
@@ -336,6 +345,17 @@ class AsyncEngine:
         m.spec_verify_steps.inc(meta.get("spec_verify_ct", 0))
         m.spec_draft_tokens.inc(meta.get("spec_draft_tokens", 0))
         m.spec_accepted_tokens.inc(meta.get("spec_accepted_tokens", 0))
+
+    def _kv_report(self, engine: Engine) -> dict[str, Any]:
+        while engine.has_unfinished() and not engine.scheduler.has_work():
+            self._step()  # deliver outputs still pending (e.g. of a request aborted just now)
+        if engine.scheduler.has_work():
+            return {"ok": False, "error": "requests are still waiting or running", **engine.load()}
+        try:
+            engine.check_kv_accounting()
+        except AssertionError as err:
+            return {"ok": False, "error": str(err), **engine.load()}
+        return {"ok": True, **engine.load()}
 
     def _abort_all(self) -> None:
         """Shutdown: abort every request and run the engine dry so each caller gets its last output."""

@@ -13,7 +13,7 @@ from ray.serve import Application
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_replica import EngineReplica
 from specserve.serve.ingress import Ingress
-from specserve.serve.placement import engine_deployment_options, uses_gpu
+from specserve.serve.placement import engine_deployment_options, ingress_deployment_options, uses_gpu
 
 
 def build_app(args: ServeConfig | dict[str, Any] | None = None) -> Application:
@@ -21,4 +21,4 @@ def build_app(args: ServeConfig | dict[str, Any] | None = None) -> Application:
     config = args if isinstance(args, ServeConfig) else ServeConfig.model_validate(args or {})
     gpu = uses_gpu(config)
     engine = EngineReplica.options(**engine_deployment_options(config, gpu)).bind(config.model_dump(), gpu)
-    return Ingress.bind(engine)
+    return Ingress.options(**ingress_deployment_options(config)).bind(engine)

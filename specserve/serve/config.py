@@ -19,8 +19,7 @@ DEFAULT_SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_steps": 4}
 
 class AutoscalingSettings(BaseModel):
     """Replica autoscaling of the engine deployment: Ray Serve's `autoscaling_config` plus the targets
-    of specserve's load policy (`specserve.serve.autoscaling:engine_load_policy`). How often replicas
-    report is Ray's setting: `RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S` (default 10 s)."""
+    of specserve's load policy (`specserve.serve.autoscaling:engine_load_policy`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,6 +43,9 @@ class AutoscalingSettings(BaseModel):
         60.0, ge=0, description="How long load must stay low before scaling down."
     )
     look_back_period_s: float = Field(10.0, gt=0, description="Window the controller averages reports over.")
+    metrics_interval_s: float = Field(
+        2.0, gt=0, description="How often replicas push load reports (Ray deprecates it for an env variable)."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSettings:
@@ -61,6 +63,7 @@ class AutoscalingSettings(BaseModel):
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
             "look_back_period_s": self.look_back_period_s,
+            "metrics_interval_s": self.metrics_interval_s,
             "policy": {
                 "policy_function": "specserve.serve.autoscaling:engine_load_policy",
                 "policy_kwargs": {
@@ -115,6 +118,9 @@ class ServeConfig(BaseModel):
         None, description="Autoscale engine replicas on engine load."
     )
     cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved for each TP rank.")
+    ingress_replicas: int = Field(
+        1, ge=1, description="HTTP ingress replicas (they parse, validate and stream)."
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on (`specserve serve`).")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy listens on (`specserve serve`).")
 
@@ -132,6 +138,10 @@ class ServeConfig(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def max_engine_replicas(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling is not None else self.num_replicas
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

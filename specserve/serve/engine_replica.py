@@ -73,10 +73,10 @@ class EngineReplica:
         """Ray Serve's hook: this replica's load, for `specserve.serve.autoscaling.engine_load_policy`."""
         load = await self.engine.health()
         report = LoadReport(
-            running=int(load.get("running", 0)),
-            waiting=int(load.get("waiting", 0)),
-            kv_usage=float(load.get("kv_usage", 0.0)),
-            ttft_s=float(load.get("ttft_s", 0.0) or 0.0),
+            running=int(load["num_running"]),
+            waiting=int(load["num_waiting"]),
+            kv_usage=float(load["kv_cache_usage"]),
+            ttft_s=float(load["ttft_recent_s"] or 0.0),
         )
         return report.as_metrics()
 
@@ -92,6 +92,7 @@ class EngineReplica:
         return await self.engine.check_kv_accounting()
 
     def __del__(self) -> None:
+        # Serve calls this when it stops the replica: abort what runs, release the followers.
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

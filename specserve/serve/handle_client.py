@@ -8,6 +8,7 @@ off here, so the routes see the same exceptions as with an in-process engine.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,25 +45,26 @@ class HandleClient:
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         request_id = request_id or uuid.uuid4().hex
-        call = self._stream.generate.remote(prompt, params, request_id)
-        self._inflight[request_id] = call
-        finished = False
+        call, finished = None, False
         try:
+            # `.remote()` itself may refuse (the deployment's queue is full): translate that too.
+            call = self._inflight[request_id] = self._stream.generate.remote(prompt, params, request_id)
             async for out in call:
                 finished = out.finished
                 yield out
         except Exception as err:
+            finished = True  # the call failed: nothing is left to cancel
             raise translate(err) from err
         finally:
             self._inflight.pop(request_id, None)
-            if not finished:
-                call.cancel()  # reaches the replica's generator: the engine aborts the request
+            if call is not None and not finished:
+                _cancel(call)  # reaches the replica's generator: the engine aborts the request
 
     async def abort(self, request_id: str) -> bool:
         call = self._inflight.pop(request_id, None)
         if call is None:
             return False
-        call.cancel()
+        _cancel(call)
         return True
 
     async def flush_cache(self) -> bool:
@@ -79,6 +81,12 @@ class HandleClient:
             return await getattr(self._handle, method).remote(*args)
         except Exception as err:
             raise translate(err) from err
+
+
+def _cancel(call: Any) -> None:
+    # A call that failed while being routed re-raises its error from cancel(): it is over anyway.
+    with contextlib.suppress(Exception):
+        call.cancel()
 
 
 def translate(err: BaseException) -> BaseException:

@@ -50,6 +50,14 @@ def engine_deployment_options(config: ServeConfig, gpu: bool) -> dict[str, Any]:
     return options
 
 
+def ingress_deployment_options(config: ServeConfig) -> dict[str, Any]:
+    """The ingress holds every request the engines can hold, and then some: it only parses and streams,
+    so Serve's default cap (5 per replica) would turn requests away long before the engines are busy."""
+    per_engine = config.max_running_requests + config.max_queued_requests
+    capacity = config.max_engine_replicas * per_engine // config.ingress_replicas
+    return {"num_replicas": config.ingress_replicas, "max_ongoing_requests": max(256, 2 * capacity)}
+
+
 @ray.remote
 class TPFollower:
     """Rank r > 0 of a replica's TP group: runs the target model's shard in lockstep with rank 0."""
