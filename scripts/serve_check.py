@@ -19,7 +19,7 @@ import ray
 from ray import serve
 
 from specserve.assets import dataset_path, pull
-from specserve.model.tokenizer import load_tokenizer
+from specserve.model.tokenizer import chat_prompt_ids, load_tokenizer
 from specserve.serve.app import build_app
 
 MAX_TOKENS = 200_000  # KV slots per server, so the in-process bench engine fits beside it
@@ -31,10 +31,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _deploy(tp: int) -> None:
+def _deploy(tp: int, device: str) -> None:
     args = {
         "model": "smollm2-135m-instruct",
-        "device": "cuda",
+        "device": device,
         "tp_size": tp,
         "max_total_tokens": MAX_TOKENS,
         "speculative": {"method": "ngram", "num_steps": 4},
@@ -48,7 +48,7 @@ def _deploy(tp: int) -> None:
 def _greedy(url: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     r = httpx.post(f"{url}/generate", json={"input_ids": prompts, "sampling_params": params}, timeout=600)
-    r.raise_for_status()
+    assert r.status_code == 200, r.text
     return [o["output_ids"] for o in r.json()]
 
 
@@ -56,35 +56,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
+    parser.add_argument("--batch-sizes", default="1,16")
+    parser.add_argument("--max-new-tokens", default="256")
     args = parser.parse_args()
     model = pull("smollm2-135m-instruct")
     tok = load_tokenizer(model)
     lines = dataset_path("mt-bench").read_text().splitlines()
     questions = [json.loads(line)["turns"][0] for line in lines if line][:16]
-    prompts = [
-        list(
-            tok.apply_chat_template(
-                [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True
-            )
-        )
-        for q in questions
-    ]
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else p for p in prompts]
+    prompts = [chat_prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
     ray.init(include_dashboard=False, logging_level="WARNING")
     port = _port()
     url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     report: dict = {}
-    _deploy(1)
+    _deploy(1, args.device)
     tp1 = _greedy(url, prompts, 64)
     bench = [
-        sys.executable, "-P", "-m", "specserve.cli", "bench", "--batch-sizes", "1,16", "--max-new-tokens", "256",
+        sys.executable, "-P", "-m", "specserve.cli", "bench", "--batch-sizes", args.batch_sizes,
+        "--max-new-tokens", args.max_new_tokens, "--device", args.device,
         "--speculative", "ngram", "--num-steps", "4", "--max-total-tokens", str(MAX_TOKENS),
         "--page-size", "16", "--url", url, "--out", str(Path(args.out, "bench_http.json")),
     ]  # fmt: skip
     report["bench"] = subprocess.run(bench, capture_output=True, text=True, check=True).stdout
     serve.delete("specserve")
-    _deploy(args.tp)
+    _deploy(args.tp, args.device)
     tpn = _greedy(url, prompts, 64)
     same = [a == b for a, b in zip(tp1, tpn, strict=True)]
     prefix = [
@@ -101,7 +97,10 @@ def main() -> None:
     ray.shutdown()
     Path(args.out, "serve_check.json").write_text(json.dumps(report, indent=2))
     print(report["bench"])
-    print("bf16 greedy through Ray Serve, 64 tokens, 16 MT-Bench prompts:", json.dumps(report["tp_vs_tp1"]))
+    print(
+        f"greedy through Ray Serve on {args.device} (bf16 on GPU), 64 tokens, 16 MT-Bench prompts:",
+        json.dumps(report["tp_vs_tp1"]),
+    )
 
 
 if __name__ == "__main__":
