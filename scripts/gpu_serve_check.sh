@@ -21,5 +21,5 @@ cp -n .devcarry/question.jsonl "$SPECSERVE_CACHE/assets/mt-bench/"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 case "${STEP:-tp}" in
   tp) python3 -P scripts/tp_check.py --out "$OUT" 2>&1 | grep -v "it/s" | tee "$OUT/tp_check.log" ;;
-  serve) python3 -P scripts/serve_check.py --out "$OUT" 2>&1 | grep -v "it/s" | tee "$OUT/serve_check.log" ;;
+  serve) python3 -P scripts/serve_check.py --out "$OUT" ${SERVE_ARGS:-} 2>&1 | grep -v "it/s" | tee "$OUT/serve_check.log" ;;
 esac

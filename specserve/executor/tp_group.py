@@ -48,7 +48,8 @@ def init_tp_group(
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     if backend == "nccl" and device is not None:
-        torch.cuda.set_device(device)
+        # A bare "cuda" is this process's current GPU (a Ray actor sees only its own, as cuda:0).
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
     dist.init_process_group(
         backend, init_method=address, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
     )
