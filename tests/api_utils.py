@@ -33,16 +33,22 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(loaded, *, max_queued_requests: int = 256, **llm_kwargs) -> Iterator[Served]:
-    """An AsyncEngine over a fresh engine on `loaded` (CPU, fp32) and a TestClient of its app."""
+def async_engine(loaded, *, max_queued_requests: int = 256, **llm_kwargs) -> Iterator[AsyncEngine]:
+    """An AsyncEngine (model name `MODEL_NAME`) over a fresh engine on `loaded` (CPU, fp32)."""
     llm_kwargs.setdefault("max_total_tokens", 4096)
     engine = LLM(loaded, device="cpu", dtype="float32", **llm_kwargs).engine
     client = AsyncEngine(engine, model_name=MODEL_NAME, max_queued_requests=max_queued_requests)
     try:
-        with TestClient(make_app(client)) as http:
-            yield Served(client, http)
+        yield client
     finally:
         client.shutdown()
+
+
+@contextlib.contextmanager
+def serve(loaded, **kwargs) -> Iterator[Served]:
+    """`async_engine(loaded, **kwargs)` and a TestClient of its app."""
+    with async_engine(loaded, **kwargs) as client, TestClient(make_app(client)) as http:
+        yield Served(client, http)
 
 
 def reference_llm(loaded, **llm_kwargs) -> LLM:
