@@ -26,10 +26,7 @@ class Served:
 
     def finished(self, reason: str) -> float:
         """How many requests finished with `reason` so far (from the engine's metrics)."""
-        value = self.client.metrics.registry.get_sample_value(
-            "specserve_request_finished_total", {"finish_reason": reason}
-        )
-        return value or 0.0
+        return self.client.metrics.sample("specserve_request_finished_total", finish_reason=reason)
 
 
 @contextlib.contextmanager
