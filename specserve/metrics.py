@@ -201,6 +201,7 @@ class EngineMetrics(_Registry):
 
     def __init__(self, model: str, replica: str = LOCAL) -> None:
         super().__init__(ENGINE_METRICS, (model, replica))
+        self.replica = replica
         self.time_to_first_token = self.child(TTFT)
         self.inter_token_latency = self.child(INTER_TOKEN)
         self.e2e_request_latency = self.child(E2E)

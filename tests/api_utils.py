@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from specserve import LLM
@@ -45,3 +46,14 @@ def serve(loaded, *, max_queued_requests: int = 256, **llm_kwargs) -> Iterator[S
 def reference_llm(loaded, **llm_kwargs) -> LLM:
     llm_kwargs.setdefault("max_total_tokens", 4096)
     return LLM(loaded, device="cpu", dtype="float32", **llm_kwargs)
+
+
+def exposed_families(text: str) -> dict[str, list]:
+    """A scrape's families by exposed name (counters with `_total`) -> samples; fails on a family
+    that appears twice (a merged exposition must name each once)."""
+    families: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert name not in families, f"{name} appears twice"
+        families[name] = family.samples
+    return families

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import LLM, SamplingParams
 from specserve.metrics import (
@@ -18,7 +17,7 @@ from specserve.metrics import (
     merge_expositions,
 )
 
-from api_utils import serve
+from api_utils import exposed_families, serve
 
 # docs/serving.md, "The metric contract": the names dashboards/ may use.
 CONTRACT = {
@@ -54,16 +53,6 @@ CONTRACT = {
 K = 3  # draft steps
 
 
-def exposed_names(text: str) -> dict[str, str]:
-    """Family name as exposed (counters with `_total`) -> type, from a parse of the text."""
-    names = {}
-    for family in text_string_to_metric_families(text):
-        name = family.name + ("_total" if family.type == "counter" else "")
-        assert name not in names, f"{name} appears twice"
-        names[name] = family.type
-    return names
-
-
 def test_exposition_names_exactly_the_contract():
     assert METRIC_NAMES >= CONTRACT
     texts = [
@@ -73,7 +62,7 @@ def test_exposition_names_exactly_the_contract():
         fleet_exposition([("m", "r1"), ("m", "r2")], {"m": 2}),
     ]
     merged = merge_expositions(texts)
-    assert set(exposed_names(merged)) == METRIC_NAMES
+    assert set(exposed_families(merged)) == METRIC_NAMES
     assert merged.count("# TYPE specserve_prompt_tokens_total counter") == 1
     assert 'specserve_prompt_tokens_total{model="m",replica="r2"} 0.0' in merged
     assert "_created" not in merged
@@ -157,21 +146,15 @@ def test_metrics_route_serves_engine_and_http_metrics(self_draft):
     bad = {"text": "hi", "sampling_params": {"temperature": -1}}
     assert http.post("/generate", json=bad).status_code == 400
     assert http.get("/no/such/route").status_code == 404
-    text = http.get("/metrics").text
-    names = exposed_names(text)
-    assert set(names) == METRIC_NAMES - {"specserve_replica_up", "specserve_autoscaling_target_replicas"}
-    samples = {
-        (s.name, s.labels.get("route"), s.labels.get("status")): s
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "specserve_http_requests_total"
-    }
-    assert samples[("specserve_http_requests_total", "/generate", "400")].value >= 1
-    unmatched = samples[("specserve_http_requests_total", "unmatched", "404")]
-    assert (
-        unmatched.value == 1
-        and unmatched.labels["model"] == "tiny"
-        and unmatched.labels["replica"] == "local"
+    families = exposed_families(http.get("/metrics").text)
+    assert set(families) == METRIC_NAMES  # the autoscaling target without samples: no policy here
+    assert [(s.labels["replica"], s.value) for s in families["specserve_replica_up"]] == [("local", 1)]
+    counts = {(s.labels["route"], s.labels["status"]): s for s in families["specserve_http_requests_total"]}
+    assert counts["/generate", "400"].value >= 1
+    unmatched = counts["unmatched", "404"]
+    assert unmatched.value == 1 and (unmatched.labels["model"], unmatched.labels["replica"]) == (
+        "tiny",
+        "local",
     )
 
 

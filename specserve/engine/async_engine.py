@@ -23,7 +23,7 @@ from typing import Any
 
 from specserve.api.client import ChatPrompt, EngineOverloaded, EngineUnavailable, ModelInfo, Prompt
 from specserve.engine.engine import Engine
-from specserve.metrics import LOCAL, EngineMetrics
+from specserve.metrics import LOCAL, EngineMetrics, fleet_exposition, merge_expositions
 from specserve.model.tokenizer import chat_prompt_ids
 from specserve.types import RequestOutput, SamplingParams
 
@@ -182,7 +182,10 @@ class AsyncEngine:
         return dict(self._load)
 
     async def metrics_text(self) -> str:
-        return self.metrics.exposition()
+        """This engine's metrics, and `specserve_replica_up` for it: in one process the engine is the
+        whole fleet (under Ray Serve the metrics hub says which replicas are up)."""
+        up = fleet_exposition([(self.model_name, self.metrics.replica)], {})
+        return merge_expositions([self.metrics.exposition(), up])
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
