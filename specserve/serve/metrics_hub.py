@@ -32,6 +32,7 @@ log = logging.getLogger("specserve.serve")
 
 HUB_NAMESPACE = "specserve"
 STALE_AFTER_S = 30.0
+CALL_TIMEOUT_S = 10.0  # a wedged hub must not hang a scrape or pile up pushes
 
 
 @dataclass
@@ -96,8 +97,8 @@ def current_replica() -> tuple[str, str]:
 
 
 class _HubLink:
-    """A cached hub handle, fetched off the event loop and dropped after a failed call (the hub may
-    have died; `get_if_exists` then makes a new one)."""
+    """A cached hub handle, fetched off the event loop and dropped after a failed or timed-out call
+    (the hub may have died; `get_if_exists` then makes a new one)."""
 
     def __init__(self, app_name: str) -> None:
         self.app_name = app_name
@@ -107,7 +108,7 @@ class _HubLink:
         if self._hub is None:
             self._hub = await asyncio.to_thread(get_hub, self.app_name)
         try:
-            return await getattr(self._hub, method).remote(*args)
+            return await asyncio.wait_for(getattr(self._hub, method).remote(*args), CALL_TIMEOUT_S)
         except Exception:
             self._hub = None
             raise
@@ -128,7 +129,8 @@ class MetricsPusher:
         self._link = _HubLink(app_name)
         self._args = (model, engine)
         self._text, self._interval_s = text, interval_s
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run())
 
     async def push(self) -> None:
         model, engine = self._args
@@ -143,8 +145,10 @@ class MetricsPusher:
             await asyncio.sleep(self._interval_s)
 
     def stop(self) -> None:
-        """Stop pushing and take this replica's figures out of the hub now (not 30 s later)."""
-        self._task.cancel()
+        """Stop pushing and take this replica's figures out of the hub now (not 30 s later). Any
+        thread may call it (Serve may run a replica's `__del__` off its event loop)."""
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: so is the task
+            self._loop.call_soon_threadsafe(self._task.cancel)
         self._link.call_nowait("forget", self.replica)
 
 
