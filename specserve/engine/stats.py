@@ -57,6 +57,7 @@ class StepStats:
             per_position[position] += 1
 
     def start_clock(self) -> None:
+        self.phases.clear()  # times of a step that raised midway are not this step's
         self._start = self._mark = time.perf_counter()
 
     def stop_clock(self) -> None:
