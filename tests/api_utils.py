@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from specserve import LLM
@@ -26,10 +27,7 @@ class Served:
 
     def finished(self, reason: str) -> float:
         """How many requests finished with `reason` so far (from the engine's metrics)."""
-        value = self.client.metrics.registry.get_sample_value(
-            "specserve_request_finished_total", {"finish_reason": reason}
-        )
-        return value or 0.0
+        return self.client.metrics.sample("specserve_request_finished_total", finish_reason=reason)
 
 
 @contextlib.contextmanager
@@ -54,3 +52,14 @@ def serve(loaded, **kwargs) -> Iterator[Served]:
 def reference_llm(loaded, **llm_kwargs) -> LLM:
     llm_kwargs.setdefault("max_total_tokens", 4096)
     return LLM(loaded, device="cpu", dtype="float32", **llm_kwargs)
+
+
+def exposed_families(text: str) -> dict[str, list]:
+    """A scrape's families by exposed name (counters with `_total`) -> samples; fails on a family
+    that appears twice (a merged exposition must name each once)."""
+    families: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert name not in families, f"{name} appears twice"
+        families[name] = family.samples
+    return families

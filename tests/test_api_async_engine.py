@@ -201,7 +201,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served):
     assert outs[-1].finished and len(outs[-1].token_ids) == 4
     assert response.status_code == 200 and frames[0]["choices"][0]["text"] is not None
     assert frames[-1]["error"]["code"] == 500 and "injected fault" in frames[-1]["error"]["message"]
-    assert served.client.metrics.registry.get_sample_value("specserve_engine_step_errors_total") == 2
+    assert served.client.metrics.sample("specserve_engine_step_errors_total") == 2
     assert served.http.get("/health").status_code == 200
 
 

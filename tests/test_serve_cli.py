@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,6 +61,7 @@ def test_specserve_serve_answers_and_stops_on_ctrl_c(smollm2_gguf):
         )
         assert reply.choices[0].message.content
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        _wait_for_engine_metrics(f"http://127.0.0.1:{port}/metrics")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         with pytest.raises(httpx.HTTPError):
@@ -68,6 +70,24 @@ def test_specserve_serve_answers_and_stops_on_ctrl_c(smollm2_gguf):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_for_engine_metrics(url: str) -> None:
+    """`curl localhost:8000/metrics`: the engine replica's counters, labelled by its replica id (the
+    replica pushes them to the app's metrics hub every 2 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        samples = [
+            s
+            for family in text_string_to_metric_families(httpx.get(url, timeout=30).text)
+            for s in family.samples
+            if s.name == "specserve_generation_tokens_total" and s.value > 0
+        ]
+        if samples:
+            assert samples[0].labels["replica"] != "local"
+            return
+        assert time.monotonic() < deadline, "no engine metrics at /metrics"
+        time.sleep(0.5)
 
 
 def test_specserve_serve_rejects_bad_flags():

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from specserve.serve.autoscaling import LoadReport, engine_load_policy, replicas_needed
+from specserve.serve.autoscaling import EngineLoadPolicy, LoadReport, engine_load_policy, replicas_needed
 from specserve.serve.config import ServeConfig
 from specserve.serve.placement import engine_deployment_options
 
@@ -50,8 +50,13 @@ def test_autoscale_file_plugs_in_the_engine_load_policy():
     args = yaml.safe_load((DEPLOY / "autoscale.yaml").read_text())["applications"][0]["args"]
     options = engine_deployment_options(ServeConfig.model_validate(args), gpu=False)
     policy = options["autoscaling_config"]["policy"]
-    assert policy["policy_function"] == "specserve.serve.autoscaling:engine_load_policy"
+    assert policy["policy_function"] == "specserve.serve.autoscaling:EngineLoadPolicy"
     assert "num_replicas" not in options
+    # Serve hands policy_kwargs to the class's constructor only: the file's targets must reach it.
+    run = EngineLoadPolicy(**policy["policy_kwargs"])
+    queued = LoadReport(running=8, waiting=9, kv_usage=0.2, ttft_s=0.1)
+    assert run(_ctx(1, 17, _per_replica(queued)))[0] == 2  # 9 waiting / target_queue_depth 8
+    assert engine_load_policy(_ctx(1, 17, _per_replica(queued)))[0] == 3  # the defaults' answer
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,8 @@ from ray import serve  # noqa: E402
 
 from specserve.serve.app import build_app  # noqa: E402
 
+from api_utils import exposed_families  # noqa: E402
+
 pytestmark = pytest.mark.timeout(600)
 
 ENGINE = "SpecServeEngine"
@@ -48,7 +50,8 @@ def cluster():
 
 
 def _deploy(name: str, route: str, **args) -> None:
-    base = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192}
+    # Replicas push metrics to the app's hub every half second: /metrics catches up quickly.
+    base = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "metrics_push_interval_s": 0.5}
     serve.run(build_app({**base, **args}), name=name, route_prefix=route, blocking=False)
     deadline = time.monotonic() + 300
     while serve.status().applications[name].status != "RUNNING":
@@ -254,6 +257,54 @@ def test_overload_gets_429_or_503_with_retry_after(cluster, smollm2_gguf):
     serve.delete("small")
 
 
+def _scrape(url: str) -> dict[str, list]:
+    r = httpx.get(f"{url}/metrics", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return exposed_families(r.text)  # parses; each family once
+
+
+def _replica_value(families: dict[str, list], name: str, replica: str) -> float | None:
+    values = [s.value for s in families.get(name, ()) if s.labels.get("replica") == replica]
+    return values[0] if values else None
+
+
+def _wait_for(url: str, ready, what: str) -> dict[str, list]:
+    """Scrape until `ready(families)`: replicas push every half second, so a few scrapes do."""
+    deadline = time.monotonic() + 60
+    while not ready(families := _scrape(url)):
+        assert time.monotonic() < deadline, f"/metrics never showed {what}"
+        time.sleep(0.25)
+    return families
+
+
+def test_metrics_cover_every_engine_replica_of_the_app(smollm2_apps, chat_ids):
+    """Each app's ingress /metrics carries its engine replicas' metrics labelled by replica id (from the
+    app's metrics hub), its own HTTP counts and specserve_replica_up; counters grow after a request."""
+    main = _check_app_metrics(smollm2_apps["tp1"], "main", chat_ids[2])
+    _check_app_metrics(smollm2_apps["tp2"], "tp2", chat_ids[2])
+    tp2_families = _scrape(smollm2_apps["tp2"])
+    assert _replica_value(tp2_families, GENERATED, main) is None  # each app's hub has its own replicas
+    _kv_clean("main")
+    _kv_clean("tp2")
+
+
+GENERATED = "specserve_generation_tokens_total"
+
+
+def _check_app_metrics(url: str, app: str, prompt_ids: list[int]) -> str:
+    health = serve.get_deployment_handle(ENGINE, app_name=app).health.remote().result(timeout_s=60)
+    replica = health["replica"]
+    families = _wait_for(url, lambda f: _replica_value(f, GENERATED, replica) is not None, replica)
+    assert _replica_value(families, "specserve_replica_up", replica) == 1
+    assert _replica_value(families, "specserve_spec_num_steps", replica) == 4
+    ingress = {s.labels["replica"] for s in families["specserve_http_requests_total"]}
+    assert ingress and replica not in ingress and "local" not in ingress
+    before = _replica_value(families, GENERATED, replica)
+    _generate(url, {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    _wait_for(url, lambda f: _replica_value(f, GENERATED, replica) > before, f"{app}'s tokens grow")
+    return replica
+
+
 def _replicas(app: str) -> int:
     deployment = serve.status().applications[app].deployments[ENGINE]
     return sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")
@@ -298,6 +349,9 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
 
     asyncio.run(load_until_two())
     assert saw["max"] == 2, "load never scaled the engine to two replicas"
+    families = _wait_for(url, lambda f: f.get("specserve_autoscaling_target_replicas"), "the policy's target")
+    (target,) = families["specserve_autoscaling_target_replicas"]
+    assert target.labels["model"] == str(smollm2_gguf) and 1 <= target.value <= 2
     deadline = time.monotonic() + 120
     while (
         _replicas("auto") != 1 or serve.status().applications["auto"].deployments[ENGINE].status != "HEALTHY"

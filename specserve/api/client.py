@@ -52,6 +52,8 @@ class EngineUnavailable(Exception):
 
 
 class EngineClient(Protocol):
+    model_name: str  # the served model's name (the `model` label of the app's metrics)
+
     async def model_info(self) -> ModelInfo: ...
 
     def generate(
@@ -72,5 +74,5 @@ class EngineClient(Protocol):
         ...
 
     async def metrics_text(self) -> str:
-        """The engine's Prometheus exposition text."""
+        """The Prometheus exposition text of every engine behind this client."""
         ...

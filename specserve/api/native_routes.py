@@ -14,10 +14,11 @@ from specserve.api.client import EngineClient
 from specserve.api.native_schemas import GenerateRequest, GenerateResponse
 from specserve.api.sse import EventStreamResponse
 from specserve.api.streams import Job, Opened, collect, merge, start, until_disconnect, with_field_errors
+from specserve.metrics import HttpMetrics, merge_expositions
 from specserve.types import RequestOutput, TokenLogprobs
 
 
-def native_router(client: EngineClient) -> APIRouter:
+def native_router(client: EngineClient, http_metrics: HttpMetrics) -> APIRouter:
     router = APIRouter(tags=["native"])
 
     @router.post("/generate", response_model=GenerateResponse | list[GenerateResponse])
@@ -45,7 +46,9 @@ def native_router(client: EngineClient) -> APIRouter:
 
     @router.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(await client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        # This app's own HTTP counts first: they win over an older copy of them among the client's.
+        text = merge_expositions([http_metrics.exposition(), await client.metrics_text()])
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     return router
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from specserve.api.client import ChatPrompt, EngineOverloaded, EngineUnavailable, ModelInfo, Prompt
 from specserve.engine.engine import Engine
-from specserve.metrics import EngineMetrics
+from specserve.metrics import LOCAL, EngineMetrics, fleet_exposition, merge_expositions
 from specserve.model.tokenizer import chat_prompt_ids
 from specserve.types import RequestOutput, SamplingParams
 
@@ -64,7 +64,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     started: float = field(default_factory=time.monotonic)
-    seen_token: bool = False
+    last_token: float | None = None  # when its latest output with tokens was delivered
 
 
 @dataclass
@@ -103,13 +103,13 @@ class AsyncEngine:
         engine: Engine,
         *,
         model_name: str | None = None,
+        replica: str = LOCAL,
         max_queued_requests: int = 256,
         retry_after: float = 1.0,
     ) -> None:
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
         self.engine = engine
-        self.metrics = EngineMetrics()
         self.max_queued_requests = max_queued_requests
         self.retry_after = retry_after
         self._info = ModelInfo(
@@ -118,6 +118,9 @@ class AsyncEngine:
             vocab_size=engine.arch.vocab_size,
             created=int(time.time()),
         )
+        self.model_name = self._info.name
+        self.metrics = EngineMetrics(self.model_name, replica)
+        engine.attach_stats_sink(self.metrics)  # before the thread starts: it is the only stepper after
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # owned by the thread
         self._ttfts: collections.deque[float] = collections.deque(maxlen=_RECENT_TTFT)
@@ -179,7 +182,10 @@ class AsyncEngine:
         return dict(self._load)
 
     async def metrics_text(self) -> str:
-        return self.metrics.exposition()
+        """This engine's metrics, and `specserve_replica_up` for it: in one process the engine is the
+        whole fleet (under Ray Serve the metrics hub says which replicas are up)."""
+        up = fleet_exposition([(self.model_name, self.metrics.replica)], {})
+        return merge_expositions([self.metrics.exposition(), up])
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -301,7 +307,7 @@ class AsyncEngine:
         """Abort the running batch (their pages are freed) and fail every request the engine no
         longer knows (running ones, and any whose pending output the failed step dropped)."""
         for req in list(self.engine.scheduler.running):
-            self.engine.abort(req.request_id)
+            self.engine.abort(req.request_id, error=str(error))
         for request_id in [r for r in self._streams if not self.engine.is_active(r)]:
             stream = self._streams.pop(request_id)
             self._send(stream.loop, [(stream.queue, error)])
@@ -310,16 +316,12 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
         now = time.monotonic()
         for out in outputs:
-            self._count(out)
             stream = (
                 self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             )
             if stream is None:  # its caller already went away
                 continue
-            if out.delta_token_ids and not stream.seen_token:
-                stream.seen_token = True
-                self._ttfts.append(now - stream.started)
-                self.metrics.time_to_first_token.observe(now - stream.started)
+            self._observe_latency(stream, out, now)
             by_loop.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in by_loop.items():
             if not self._send(loop, items):  # that loop is gone: so are its callers
@@ -335,16 +337,23 @@ class AsyncEngine:
             return False
         return True
 
-    def _count(self, out: RequestOutput) -> None:
-        m, meta = self.metrics, out.meta
-        m.generation_tokens.inc(len(out.delta_token_ids))
-        if not out.finished:
-            return
-        m.request_finished.labels(out.finish_reason or "unknown").inc()
-        m.prompt_tokens.inc(meta.get("prompt_tokens", 0))
-        m.spec_verify_steps.inc(meta.get("spec_verify_ct", 0))
-        m.spec_draft_tokens.inc(meta.get("spec_draft_tokens", 0))
-        m.spec_accepted_tokens.inc(meta.get("spec_accepted_tokens", 0))
+    def _observe_latency(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        """TTFT, inter-token latency and e2e, as the caller sees them: from the request reaching
+        this client to the output leaving the engine thread."""
+        m, tokens = self.metrics, len(out.delta_token_ids)
+        if tokens and stream.last_token is None:
+            self._ttfts.append(now - stream.started)
+            m.time_to_first_token.observe(now - stream.started)
+        elif tokens:
+            # An output carries all the tokens a verify accepted: each token's share of the gap,
+            # once per token, so the histogram's mean is the time per output token.
+            per_token = (now - stream.last_token) / tokens
+            for _ in range(tokens):
+                m.inter_token_latency.observe(per_token)
+        if tokens:
+            stream.last_token = now
+        if out.finished:
+            m.e2e_request_latency.observe(now - stream.started)
 
     def _kv_report(self, engine: Engine) -> dict[str, Any]:
         while engine.has_unfinished() and not engine.scheduler.has_work():
@@ -372,10 +381,7 @@ class AsyncEngine:
         return load
 
     def _publish(self, handled: int) -> None:
-        self._load = load = self._snapshot()
-        self.metrics.num_requests_running.set(load["num_running"])
-        self.metrics.num_requests_waiting.set(load["num_waiting"])
-        self.metrics.kv_cache_usage_ratio.set(load["kv_cache_usage"])
+        self._load = self._snapshot()
         with self._cv:
             self._handled += handled
             self._idle = not self.engine.has_unfinished()

@@ -25,6 +25,7 @@ from specserve.engine.output import make_output
 from specserve.engine.request import Request
 from specserve.engine.sampler import SamplingRow
 from specserve.engine.scheduler import ScheduledItem, Scheduler
+from specserve.engine.stats import SpecSettings, StatsSink, StepStats
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
 from specserve.executor.runner import make_runner
@@ -82,6 +83,8 @@ class Engine:
         self._texts: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
+        self._stats = StepStats()
+        self.stats_sink: StatsSink | None = None
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
 
     # ---- public API -------------------------------------------------------------------------
@@ -104,16 +107,31 @@ class Engine:
             self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
         )
         self.scheduler.add(req)
+        self._stats.prompt_tokens += len(prompt_ids)
         return request_id
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Stop a request and free its pages; its last output comes with the next step (finish
+        reason `abort`, or `error` with that message when the engine failed it)."""
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return False
         self.scheduler.remove(req)
-        req.finish({"type": "abort", "message": "aborted"})
+        req.finish({"type": "error", "message": error} if error else {"type": "abort", "message": "aborted"})
         self._pending.append(self._emit(req, []))
         return True
+
+    def attach_stats_sink(self, sink: StatsSink) -> None:
+        """Hand every step's `StepStats` to `sink`, on the thread that steps; it hears the current
+        state (gauges, speculative settings) at once."""
+        self.stats_sink = sink
+        self._end_step([])
+
+    def speculative_settings(self) -> SpecSettings:
+        spec = self.config.speculative
+        if spec is None:
+            return SpecSettings()
+        return SpecSettings(spec.num_steps, spec.topk, spec.num_draft_tokens or spec.num_steps)
 
     def load(self) -> dict[str, float]:
         """Cheap load figures for health checks and autoscaling: request counts and KV usage."""
@@ -132,18 +150,33 @@ class Engine:
         return self.scheduler.has_work() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
+        stats = self._stats
+        stats.start_clock()
         outputs, self._pending = self._pending, []
         self._propose_drafts()
-        items = self.scheduler.schedule()
-        if not items:
-            return outputs
+        stats.lap("draft" if self.drafter is not None else None)
+        items = self.scheduler.schedule(stats)
+        if items:
+            outputs.extend(self._run_batch(items, stats))
+            stats.stop_clock()
+        else:
+            stats.phases.clear()  # nothing ran: no step to time
+        self._end_step(outputs)
+        return outputs
+
+    def _run_batch(self, items: list[ScheduledItem], stats: StepStats) -> list[RequestOutput]:
+        """Forward, verify/sample and postprocess one scheduled batch; phases timed on the host (a
+        phase ends where the host waits for the GPU anyway: verify copies its results to the host)."""
         inp = build_step_input(items, self.kv.page_size, self.device)
         capture = self.drafter.capture if self.drafter is not None else None
         hidden, aux, logits = self.runner.execute(inp, capture or ())
         emitted = self._verify(items, inp, logits)
+        stats.lap("target")
         if capture is not None:
             self.drafter.after_target(_target_feeds(items, emitted), hidden if aux is None else aux)
+            stats.lap("draft")
         records = step_logprobs(items, inp, logits, emitted)
+        outputs = []
         for index, item in enumerate(items):
             out = self._postprocess(item, emitted.get(index), records.get(index))
             if out is not None:
@@ -152,7 +185,24 @@ class Engine:
             # Draft KV past what the target kept belongs to rejected (or unverified) drafts.
             req.draft, req.draft_probs = [], None
             req.draft_computed = min(req.draft_computed, req.num_computed)
+        stats.lap("postprocess")
         return outputs
+
+    def _end_step(self, outputs: list[RequestOutput]) -> None:
+        """Start the next step's stats; with a sink, complete this step's (from host data) and hand
+        them over."""
+        stats, self._stats = self._stats, StepStats()
+        if self.stats_sink is None:
+            return
+        for out in outputs:
+            stats.generation_tokens += len(out.delta_token_ids)
+            if out.finished:
+                reason = out.finish_reason or "unknown"
+                stats.finished[reason] = stats.finished.get(reason, 0) + 1
+        stats.spec = self.speculative_settings()
+        stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        stats.kv_usage = self.kv.usage()
+        self.stats_sink.record_step(stats)
 
     def shutdown(self) -> None:
         """Release the TP followers (their loops return); the engine cannot step afterwards."""
@@ -380,8 +430,8 @@ class Engine:
             return req.num_computed
         return min(req.num_computed, req.draft_computed)
 
-    @staticmethod
-    def _count_verify(req: Request, drafted: int, accepted: int) -> None:
+    def _count_verify(self, req: Request, drafted: int, accepted: int) -> None:
+        self._stats.count_verify(drafted, accepted)
         req.spec_verify_ct += 1
         req.spec_draft_tokens += drafted
         req.spec_accepted_tokens += accepted

@@ -24,15 +24,16 @@ class KVManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, req: Request) -> None:
-        """Give a request with no KV the cached pages of its longest cached prefix."""
+    def match_prefix(self, req: Request) -> int:
+        """Give a request with no KV the cached pages of its longest cached prefix; the tokens they cover."""
         assert not req.pages and req.num_computed == 0
         if self.prefix_cache is None:
-            return
+            return 0
         pages, digests = self.prefix_cache.match(req.token_ids, req.max_prefix_match())
         req.pages, req.page_digests = pages, digests
         # Cached pages hold valid drafter KV too (only such pages are offered to the cache).
         req.num_computed = req.draft_computed = len(pages) * self.page_size
+        return req.num_computed
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Make sure `req` holds pages for its first `num_tokens` tokens; False when the pool is short."""

@@ -8,12 +8,14 @@ waits at the front of the queue to recompute everything it had, output included.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from specserve.config import SchedulerConfig
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.request import Request, Status
+from specserve.engine.stats import StepStats
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,9 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
 
-    def schedule(self) -> list[ScheduledItem]:
+    def schedule(self, stats: StepStats | None = None) -> list[ScheduledItem]:
+        """This step's items; retractions, prefix-cache lookups and queue times go to `stats`."""
+        stats = stats if stats is not None else StepStats()
         budget = self.config.max_batched_tokens
         items: list[ScheduledItem] = []
         retracted = False
@@ -77,7 +81,7 @@ class Scheduler:
             n = self._chunk(req.num_uncomputed + len(req.draft), budget, first=not items)
             if n == 0:
                 break
-            ok, retracted_now = self._reserve_or_retract(req, req.num_computed + n)
+            ok, retracted_now = self._reserve_or_retract(req, req.num_computed + n, stats)
             retracted |= retracted_now
             if not ok:
                 break
@@ -85,13 +89,13 @@ class Scheduler:
             budget -= n
             i += 1
         if not retracted:
-            self._admit(items, budget)
+            self._admit(items, budget, stats)
         return items
 
-    def _admit(self, items: list[ScheduledItem], budget: int) -> None:
+    def _admit(self, items: list[ScheduledItem], budget: int, stats: StepStats) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            self.kv.match_prefix(req)
+            hits = self.kv.match_prefix(req)
             if not req.admitted_once:
                 req.cached_tokens = req.num_computed
             n = self._chunk(req.num_uncomputed, budget, first=not items)
@@ -99,6 +103,7 @@ class Scheduler:
                 self.kv.free(req)
                 break
             self.waiting.popleft()
+            _count_admission(req, hits, stats)
             req.status, req.admitted_once = Status.RUNNING, True
             self.running.append(req)
             items.append(ScheduledItem.of(req, n))
@@ -110,11 +115,12 @@ class Scheduler:
         # Without chunking a prompt runs whole; one larger than the budget still runs, alone.
         return remaining if remaining <= budget or first else 0
 
-    def _reserve_or_retract(self, req: Request, num_tokens: int) -> tuple[bool, bool]:
+    def _reserve_or_retract(self, req: Request, num_tokens: int, stats: StepStats) -> tuple[bool, bool]:
         retracted = False
         while not self.kv.reserve(req, num_tokens):
             victim = self.running.pop()
             self._retract(victim)
+            stats.retracted += 1
             retracted = True
             if victim is req:
                 return False, retracted
@@ -127,3 +133,12 @@ class Scheduler:
         req.num_retractions += 1
         self.num_retracted += 1
         self.waiting.appendleft(req)
+
+
+def _count_admission(req: Request, hits: int, stats: StepStats) -> None:
+    """Counted only once the admission holds (a lookup whose pages go back, because the pool was
+    short, is repeated on a later step), and again after a retraction: that lookup is real too."""
+    stats.prefix_queries += len(req.token_ids)
+    stats.prefix_hits += hits
+    if not req.admitted_once:
+        stats.queue_times.append(time.monotonic() - req.arrival_time)

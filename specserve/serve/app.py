@@ -21,4 +21,6 @@ def build_app(args: ServeConfig | dict[str, Any] | None = None) -> Application:
     config = args if isinstance(args, ServeConfig) else ServeConfig.model_validate(args or {})
     gpu = uses_gpu(config)
     engine = EngineReplica.options(**engine_deployment_options(config, gpu)).bind(config.model_dump(), gpu)
-    return Ingress.options(**ingress_deployment_options(config)).bind(engine)
+    return Ingress.options(**ingress_deployment_options(config)).bind(
+        engine, config.model_name, config.metrics_push_interval_s
+    )

@@ -1,22 +1,28 @@
 """The engine deployment's autoscaling policy: replicas from engine load, not only ongoing requests.
 
 Each replica reports `LoadReport` figures through Ray Serve's `record_autoscaling_stats` hook; the
-controller averages them over its look-back window and calls `engine_load_policy` with one value per
-replica. Ongoing requests alone miss what makes an LLM replica slow: a deep waiting queue (admitted
-but not yet running), a KV cache near full (retractions, recompute) and a rising time to first token.
+controller averages them over its look-back window and calls the policy (`EngineLoadPolicy`, around
+`engine_load_policy`) with one value per replica. Ongoing requests alone miss what makes an LLM
+replica slow: a deep waiting queue (admitted but not yet running), a KV cache near full
+(retractions, recompute) and a rising time to first token.
 The policy asks for as many replicas as the most loaded signal needs; Serve then applies the
 configured bounds, scaling factors and up/down delays.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 # Metric names a replica reports (keys of `LoadReport.as_metrics()`).
 WAITING, RUNNING, KV_USAGE, TTFT = "waiting", "running", "kv_usage", "ttft_s"
+PUBLISH_EVERY_S = 2.0  # an unchanged decision is re-sent this often (a restarted hub learns it again)
+
+log = logging.getLogger("specserve.serve")
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ def engine_load_policy(
     target_kv_usage: float = 0.8,
     target_ttft_s: float | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Ray Serve custom policy (`AutoscalingContext` in, desired replicas and policy state out)."""
+    """The decision: `AutoscalingContext` in, desired replicas and policy state out."""
     metrics = ctx.aggregated_metrics or {}
     per_replica = {name: list(values.values()) for name, values in metrics.items()}
     wanted = replicas_needed(
@@ -81,6 +87,39 @@ def engine_load_policy(
     state = dict(ctx.policy_state or {})
     state["specserve_wanted_replicas"] = wanted
     return desired, state
+
+
+class EngineLoadPolicy:
+    """`engine_load_policy` as Ray Serve runs it (`specserve.serve.autoscaling:EngineLoadPolicy`): a
+    class, because Serve passes `policy_kwargs` only to a class policy's constructor (a function policy
+    would run with its defaults, whatever the config says). One instance per deployment, called every
+    control-loop tick; it also publishes each decision to the app's metrics hub as
+    `specserve_autoscaling_target_replicas`."""
+
+    def __init__(self, model_name: str | None = None, **targets: Any) -> None:
+        self.model_name = model_name
+        self.targets = targets  # engine_load_policy's keyword arguments
+        self._sent: tuple[int | None, float] = (None, 0.0)  # (replicas, monotonic time) last published
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        desired, state = engine_load_policy(ctx, **self.targets)
+        self._publish(getattr(ctx, "app_name", None), desired)
+        return desired, state
+
+    def _publish(self, app_name: str | None, desired: int) -> None:
+        """Best effort and rate-limited: the controller loop must never fail or stall on metrics (the
+        send itself is fire and forget)."""
+        now = time.monotonic()
+        sent, at = self._sent
+        if app_name is None or self.model_name is None or (sent == desired and now - at < PUBLISH_EVERY_S):
+            return
+        self._sent = (desired, now)
+        try:
+            from specserve.serve.metrics_hub import get_hub
+
+            get_hub(app_name).set_target.remote(self.model_name, desired)
+        except Exception as err:
+            log.warning("publishing the autoscaling target failed: %r", err)
 
 
 def _mean(values: Iterable[float]) -> float:

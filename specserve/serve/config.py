@@ -19,7 +19,7 @@ DEFAULT_SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_steps": 4}
 
 class AutoscalingSettings(BaseModel):
     """Replica autoscaling of the engine deployment: Ray Serve's `autoscaling_config` plus the targets
-    of specserve's load policy (`specserve.serve.autoscaling:engine_load_policy`)."""
+    of specserve's load policy (`specserve.serve.autoscaling:EngineLoadPolicy`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,8 +53,9 @@ class AutoscalingSettings(BaseModel):
             raise ValueError("autoscaling.max_replicas: must be >= min_replicas")
         return self
 
-    def serve_config(self) -> dict[str, Any]:
-        """Ray Serve's `autoscaling_config` for the engine deployment, with our policy plugged in."""
+    def serve_config(self, model_name: str | None = None) -> dict[str, Any]:
+        """Ray Serve's `autoscaling_config` for the engine deployment, with our policy plugged in
+        (`model_name`: the label of the decision it publishes as a metric)."""
         return {
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
@@ -65,12 +66,13 @@ class AutoscalingSettings(BaseModel):
             "look_back_period_s": self.look_back_period_s,
             "metrics_interval_s": self.metrics_interval_s,
             "policy": {
-                "policy_function": "specserve.serve.autoscaling:engine_load_policy",
+                "policy_function": "specserve.serve.autoscaling:EngineLoadPolicy",
                 "policy_kwargs": {
                     "target_ongoing_requests": self.target_ongoing_requests,
                     "target_queue_depth": self.target_queue_depth,
                     "target_kv_usage": self.target_kv_usage,
                     "target_ttft_s": self.target_ttft_s,
+                    "model_name": model_name,
                 },
             },
         }
@@ -120,6 +122,9 @@ class ServeConfig(BaseModel):
     cpus_per_rank: float = Field(1.0, gt=0, description="Ray CPUs reserved for each TP rank.")
     ingress_replicas: int = Field(
         1, ge=1, description="HTTP ingress replicas (they parse, validate and stream)."
+    )
+    metrics_push_interval_s: float = Field(
+        2.0, gt=0, description="How often each replica sends its metrics to the app's metrics hub (/metrics)."
     )
     host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on (`specserve serve`).")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy listens on (`specserve serve`).")

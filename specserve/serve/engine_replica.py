@@ -18,6 +18,7 @@ from ray import serve
 from specserve.api.client import ModelInfo, Prompt
 from specserve.serve.autoscaling import LoadReport
 from specserve.serve.config import ServeConfig
+from specserve.serve.metrics_hub import MetricsPusher, current_replica
 from specserve.serve.placement import FollowerGroup, start_followers
 from specserve.types import RequestOutput, SamplingParams
 
@@ -43,8 +44,15 @@ class EngineReplica:
             torch_device = engine_config.torch_device()
             tp = init_tp_group(0, self.config.tp_size, address, tp_backend(torch_device), torch_device)
         engine = Engine(engine_config, tp=tp)
+        _, self.replica_id = current_replica()
         self.engine = AsyncEngine(
-            engine, max_queued_requests=self.config.max_queued_requests, model_name=self.config.model_name
+            engine,
+            max_queued_requests=self.config.max_queued_requests,
+            model_name=self.config.model_name,
+            replica=self.replica_id,
+        )
+        self.pusher = MetricsPusher(
+            self.config.model_name, self.engine.metrics.exposition, self.config.metrics_push_interval_s
         )
         logger.info("engine replica up: %s, tp=%d on %s", self.config.model_name, self.config.tp_size, device)
 
@@ -61,7 +69,7 @@ class EngineReplica:
         return await self.engine.flush_cache()
 
     async def health(self) -> dict[str, Any]:
-        return await self.engine.health()
+        return {**await self.engine.health(), "replica": self.replica_id}
 
     async def model_info(self) -> ModelInfo:
         return await self.engine.model_info()
@@ -70,7 +78,7 @@ class EngineReplica:
         return await self.engine.metrics_text()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's hook: this replica's load, for `specserve.serve.autoscaling.engine_load_policy`."""
+        """Ray Serve's hook: this replica's load, for `specserve.serve.autoscaling.EngineLoadPolicy`."""
         load = await self.engine.health()
         report = LoadReport(
             running=int(load["num_running"]),
@@ -93,6 +101,8 @@ class EngineReplica:
 
     def __del__(self) -> None:
         # Serve calls this when it stops the replica: abort what runs, release the followers.
+        if getattr(self, "pusher", None) is not None:
+            self.pusher.stop()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

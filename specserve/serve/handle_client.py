@@ -18,6 +18,7 @@ from ray.serve import exceptions as serve_exceptions
 from ray.serve.handle import DeploymentHandle
 
 from specserve.api.client import EngineOverloaded, EngineUnavailable, ModelInfo, Prompt
+from specserve.serve.metrics_hub import HubReader
 from specserve.types import RequestOutput, SamplingParams
 
 _PASS_THROUGH = (ValueError, EngineOverloaded, EngineUnavailable)
@@ -30,7 +31,12 @@ _REPLICA_GONE = (
 
 
 class HandleClient:
-    def __init__(self, handle: DeploymentHandle) -> None:
+    """`metrics`: where `/metrics` gets every engine replica's figures (the app's metrics hub); without
+    it, from the one replica Serve routes the call to."""
+
+    def __init__(self, handle: DeploymentHandle, model_name: str, metrics: HubReader | None = None) -> None:
+        self.model_name = model_name
+        self._metrics = metrics
         self._handle = handle
         self._stream = handle.options(stream=True)
         self._inflight: dict[str, Any] = {}
@@ -74,6 +80,8 @@ class HandleClient:
         return await self._call("health")
 
     async def metrics_text(self) -> str:
+        if self._metrics is not None:
+            return await self._metrics.text()
         return await self._call("metrics_text")
 
     async def _call(self, method: str, *args: Any) -> Any:

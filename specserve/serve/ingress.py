@@ -13,16 +13,38 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from specserve.serve.handle_client import HandleClient
+from specserve.serve.metrics_hub import HubReader, MetricsPusher, current_replica
 
 
 @serve.deployment(name="SpecServeIngress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, api_options: dict[str, Any] | None = None) -> None:
-        self.client = HandleClient(engine)
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        model_name: str,
+        metrics_push_interval_s: float = 2.0,
+        api_options: dict[str, Any] | None = None,
+    ) -> None:
+        app_name, self.replica_id = current_replica()
+        self.client = HandleClient(engine, model_name, metrics=HubReader(app_name))
+        self.metrics_push_interval_s = metrics_push_interval_s
         self.api_options = api_options or {}
+        self.pusher: MetricsPusher | None = None
 
     def __serve_build_asgi_app__(self):
         from specserve.api.app import make_app
 
-        return make_app(self.client, **self.api_options)
+        app = make_app(self.client, replica=self.replica_id, **self.api_options)
+        # Its HTTP counts go to the hub too, so a scrape of any one ingress replica has every one's.
+        self.pusher = MetricsPusher(
+            self.client.model_name,
+            app.state.http_metrics.exposition,
+            self.metrics_push_interval_s,
+            engine=False,
+        )
+        return app
+
+    def __del__(self) -> None:
+        if getattr(self, "pusher", None) is not None:
+            self.pusher.stop()

@@ -72,6 +72,7 @@ def serve_until_interrupted(config: Any, ray_address: str | None = None) -> int:
     from ray import serve
 
     from specserve.serve.app import build_app
+    from specserve.serve.metrics_hub import kill_hub
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -87,6 +88,7 @@ def serve_until_interrupted(config: Any, ray_address: str | None = None) -> int:
         print("specserve: shutting down", flush=True)
     finally:
         serve.shutdown()
+        kill_hub(APP_NAME)  # on a cluster that lives on (--ray-address), nothing else would
         ray.shutdown()
     return 0
 

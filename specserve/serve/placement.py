@@ -44,7 +44,7 @@ def engine_deployment_options(config: ServeConfig, gpu: bool) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": 10,
     }
     if config.autoscaling is not None:
-        options["autoscaling_config"] = config.autoscaling.serve_config()
+        options["autoscaling_config"] = config.autoscaling.serve_config(config.model_name)
     else:
         options["num_replicas"] = config.num_replicas
     return options
