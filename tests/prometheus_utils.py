@@ -97,7 +97,10 @@ class Prometheus:
 
     def last_scrape(self, job: str) -> float | None:
         """When the latest successful scrape of `job` started (unix seconds), None before the first."""
-        reply = self.http.get("/api/v1/query", params={"query": f'timestamp(up{{job="{job}"}} == 1)'}).json()
+        # timestamp() of a selector is the sample's time; of an expression (`up == 1`) it would be the
+        # evaluation time, i.e. now: filter with `and` so the sample's own timestamp survives.
+        query = f'timestamp(up{{job="{job}"}}) and up{{job="{job}"}} == 1'
+        reply = self.http.get("/api/v1/query", params={"query": query}).json()
         result = reply["data"]["result"]
         return float(result[0]["value"][1]) if result else None
 
