@@ -13,14 +13,15 @@ GROUP heads. Scores and the online softmax are fp32 (exp2 with the scale folded 
 stops at the request's causal horizon, so no slot past seq_len is ever read.
 
 Split-K (flash decoding): when the batch gives too few programs to fill the GPU — decode and verify
-at small batch sizes — each program also takes one of NUM_SPLITS slices of the keys and writes an
-unnormalised partial (acc, running max, running sum); a second small kernel merges the slices.
+at small batch sizes — each program also takes one of `splits` slices of the keys and writes an
+unnormalised partial (acc, running max, running sum); a second small kernel merges the slices. The
+slice count is a runtime argument, so a context that grows does not compile new kernel variants.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import triton
@@ -43,7 +44,7 @@ class PagedLayout(Protocol):
     custom_mask: torch.Tensor | None  # [B, >= Q, >= Q] bool among the new tokens; None = causal
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -70,6 +71,7 @@ def _paged_attention_kernel(
     stride_mq,
     num_tokens,
     num_heads,
+    num_splits,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -77,15 +79,15 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     CUSTOM_MASK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     first = tl.program_id(1) * BLOCK_Q  # this program's first query token, among the request's
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     q_begin = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_begin
     if first >= q_len:
@@ -113,13 +115,13 @@ def _paged_attention_kernel(
         kv_end = seq_len
     else:
         kv_end = prefix + tl.minimum(q_len, first + BLOCK_Q)
-    if NUM_SPLITS == 1:
-        lo = kv_end * 0
-        hi = kv_end
-    else:
-        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(kv_end, lo + chunk)
+    else:
+        lo = kv_end * 0
+        hi = kv_end
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -165,21 +167,21 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_ok = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if SPLIT:
+        part = (split * num_tokens + t) * num_heads + head  # [splits, tokens, heads] index
+        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_ok)
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees nothing gives zeros
         tl.store(
             out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=out_ok,
         )
-    else:
-        part = (split * num_tokens + t) * num_heads + head  # [splits, tokens, heads] index
-        tl.store(part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=out_ok)
-        tl.store(part_m_ptr + part, m_i, mask=row_ok)
-        tl.store(part_l_ptr + part, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     part_o_ptr,
     part_m_ptr,
@@ -189,7 +191,7 @@ def _merge_splits_kernel(
     stride_oh,
     num_tokens,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -200,13 +202,13 @@ def _merge_splits_kernel(
     h_ok = h < num_heads
     ok = h_ok[:, None] & (d < HEAD_DIM)[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         m_s = tl.load(part_m_ptr + (s * num_tokens + t) * num_heads + h, mask=h_ok, other=float("-inf"))
         m = tl.maximum(m, m_s)
     shift = tl.where(m == float("-inf"), 0.0, m)
     l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         part = (s * num_tokens + t) * num_heads + h
         w = tl.exp2(tl.load(part_m_ptr + part, mask=h_ok, other=float("-inf")) - shift)
         l_sum += w * tl.load(part_l_ptr + part, mask=h_ok, other=0.0)
@@ -232,24 +234,29 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def block_sizes(max_query_len: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_M rows of (token, head) pairs, BLOCK_Q tokens per program, BLOCK_N keys per step).
+class Tiles(NamedTuple):
+    rows: int  # BLOCK_M: (token, head) rows per program
+    tokens: int  # BLOCK_Q: query tokens per program (rows // group)
+    keys: int  # BLOCK_N: keys per loop step
+    warps: int
 
-    16 rows is tl.dot's floor: a decode tile holds one token's GROUP heads padded to it."""
+
+def tiles(max_query_len: int, group: int) -> Tiles:
+    """Tile shape for a batch: 16 rows (tl.dot's floor) hold a decode token's GROUP heads, verify
+    and short chunks take 32 or 64, long prefills 128 rows on 8 warps."""
     rows = group * max_query_len
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_m = next(m for m in (16, 32, 64, 128) if rows <= m or m == 128)
     block_m = max(block_m, triton.next_power_of_2(group))
-    block_n = 64 if block_m <= 32 else 32
-    return block_m, block_m // group, block_n
+    return Tiles(block_m, block_m // group, 64, 8 if block_m >= 128 else 4)
 
 
 def num_splits(
     batch_size: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, group: int, device: torch.device
 ) -> int:
-    """Key slices per program: enough programs for two waves of the GPU, each slice >= 128 keys."""
-    _, block_q, _ = block_sizes(max_query_len, group)
-    programs = batch_size * triton.cdiv(max_query_len, block_q) * num_kv_heads
-    want = triton.cdiv(2 * _sm_count(device), programs)
+    """Key slices per program: one slice unless the batch leaves SMs idle; then enough programs
+    to cover them, each slice still >= 128 keys (at most 32 slices)."""
+    programs = batch_size * triton.cdiv(max_query_len, tiles(max_query_len, group).tokens) * num_kv_heads
+    want = triton.cdiv(_sm_count(device), programs)
     return max(1, min(want, triton.cdiv(max_seq_len, 128), 32))
 
 
@@ -308,7 +315,7 @@ def paged_attention(
         return out
 
     group = heads // kv_heads
-    block_m, block_q, block_n = block_sizes(max_query_len, group)
+    tile = tiles(max_query_len, group)
     if splits is None:
         splits = num_splits(batch, max_query_len, layout.max_seq_len, kv_heads, group, q.device)
     scale_log2 = (scale if scale is not None else 1.0 / math.sqrt(dim)) * LOG2E
@@ -325,7 +332,7 @@ def paged_attention(
     else:
         part_o = part_m = part_l = out  # never written
     block_d = max(16, triton.next_power_of_2(dim))
-    grid = (batch, triton.cdiv(max_query_len, block_q), kv_heads * splits)
+    grid = (batch, triton.cdiv(max_query_len, tile.tokens), kv_heads * splits)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -351,18 +358,19 @@ def paged_attention(
         *mask_strides,
         tokens,
         heads,
+        splits,
         PAGE_SIZE=layout.page_size,
         GROUP=group,
         HEAD_DIM=dim,
         BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        NUM_SPLITS=splits,
+        BLOCK_M=tile.rows,
+        BLOCK_Q=tile.tokens,
+        BLOCK_N=tile.keys,
+        SPLIT=splits > 1,
         CUSTOM_MASK=custom_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or q.device.type != "cuda" else "tf32",
         UPCAST=q.device.type != "cuda",
-        num_warps=4,
+        num_warps=tile.warps,
     )
     if splits > 1:
         _merge_splits_kernel[(tokens,)](
@@ -374,7 +382,7 @@ def paged_attention(
             out.stride(1),
             tokens,
             heads,
-            NUM_SPLITS=splits,
+            splits,
             HEAD_DIM=dim,
             BLOCK_H=triton.next_power_of_2(heads),
             BLOCK_D=block_d,

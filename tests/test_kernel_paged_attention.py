@@ -105,7 +105,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 SHAPES = {  # mode -> (prefixes, new tokens, heads, KV heads, head_dim)
-    "prefill": ([0, 13, 3], [21, 9, 1], 6, 2, 32),  # ragged, one request past a cached prefix
+    "prefill": ([0, 13, 3], [25, 9, 1], 6, 2, 32),  # ragged (75 rows: the 128-row tile), one past a prefix
     "decode": ([40, 4, 62], [1, 1, 1], 9, 3, 64),  # SmolLM2's heads
     "verify": ([30, 2], [5, 5], 4, 4, 16),  # k + 1 = 5 causal rows, plain MHA
     "tree": ([20, 0, 9], [5, 3, 4], 8, 2, 64),  # a tree mask among the new tokens
