@@ -320,9 +320,10 @@ def paged_attention(
         splits = num_splits(batch, max_query_len, layout.max_seq_len, kv_heads, group, q.device)
     scale_log2 = (scale if scale is not None else 1.0 / math.sqrt(dim)) * LOG2E
     if custom_mask is not None:
-        mask = custom_mask.view(torch.uint8)
+        mask = custom_mask.view(torch.uint8)  # same bytes; a bool pointer is awkward in Triton
+        if mask.stride(2) != 1:
+            mask = mask.contiguous()
         mask_strides = (mask.stride(0), mask.stride(1))
-        assert mask.stride(2) == 1, "custom_mask needs a contiguous last dimension"
     else:
         mask, mask_strides = seq_lens, (0, 0)  # never read
     if splits > 1:
