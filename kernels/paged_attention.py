@@ -20,6 +20,7 @@ slice count is a runtime argument, so a context that grows does not compile new 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Protocol
 
@@ -222,16 +223,15 @@ def _merge_splits_kernel(
     )
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: splits only when asked for
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class Tiles(NamedTuple):
