@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
+from specserve.config import ATTENTION_BACKENDS
 from specserve.types import SamplingParams
 
 
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="auto (Triton kernels on CUDA, torch on the CPU), torch or triton",
+    )
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
     add_speculative_arguments(parser)  # with --speculative, runs with and without it
     parser.add_argument(
@@ -90,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "device": str(llm.engine.device),
         "dtype": str(llm.engine.dtype),
+        "attention_backend": llm.engine.backend.name,
         "gpu": torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else None,
         "rows": [asdict(r) for r in rows],
     }
@@ -106,6 +114,7 @@ def _engine(args: argparse.Namespace, model, speculative: dict | None, max_batch
         device=args.device,
         dtype=args.dtype,
         page_size=args.page_size,
+        attention_backend=args.attention_backend,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=max_batch,
         max_batched_tokens=8192,

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("torch",)
+# "auto": triton on CUDA, torch on the CPU
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -122,7 +123,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_model_len: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     seed: int = 0
     # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).
     tp_size: int = 1

@@ -21,6 +21,7 @@ class LLM:
     `model` is an asset name (default `smollm2-135m-instruct`), a `.gguf` file or an HF folder, or a
     `LoadedModel` another LLM already holds (engines then share the weights).
     `device`/`dtype` default to the GPU in bf16 when there is one, else the CPU in fp32.
+    `attention_backend`: "auto" (Triton kernels on CUDA, plain torch on the CPU), "torch" or "triton".
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
     (e.g. `{"method": "ngram", "num_steps": 4}`) or a method name.
 
@@ -44,6 +45,7 @@ class LLM:
         enable_prefix_cache: bool = True,
         max_model_len: int | None = None,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         loaded = model if isinstance(model, LoadedModel) else None
         config = EngineConfig(
@@ -51,6 +53,7 @@ class LLM:
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,
+            attention_backend=attention_backend,
             seed=seed,
             speculative=SpeculativeConfig.from_value(speculative),
             cache=CacheConfig(

@@ -96,6 +96,7 @@ def test_bench_writes_json_and_table(tiny_folder, tmp_path, capsys):
     )
     assert code == 0
     report = json.loads(out.read_text())
+    assert report["attention_backend"] == "torch"  # auto on the CPU
     systems = {(r["system"], r["batch_size"]) for r in report["rows"]}
     assert {
         ("specserve", 1),

@@ -10,11 +10,21 @@ the new tokens its mask row allows.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.engine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from specserve.model.layers import RotaryEmbedding
+
+# (x, residual or None, weight, eps) -> (weight * rms_norm(x + residual), x + residual)
+AddRMSNorm = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @dataclass(frozen=True)
@@ -37,11 +47,33 @@ class AttentionBatch:
 
 
 class AttentionContext(ABC):
-    """What the model calls once per layer; built by a backend for one step."""
+    """What the model calls once per layer; built by a backend for one step.
+
+    Two optional fusions, off by default (the model then runs its plain modules): a backend that
+    applies RoPE inside its KV write sets `fuses_rotary`, and the model calls `attend_rotary` with
+    the unrotated q/k; a backend that sets `add_rms_norm` has the decoder carry its residual stream
+    as (x, residual) and run each residual add + RMSNorm through that function.
+    """
+
+    fuses_rotary: bool = False
+    add_rms_norm: AddRMSNorm | None = None
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k/v [T, KvH, D] for the new tokens, attend with q [T, H, D]; returns [T, H, D]."""
+
+    def attend_rotary(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """`attend` with q/k not yet rotated: RoPE at `positions` first (fused by backends that can)."""
+        q, k = rope(positions, q, k)
+        return self.attend(layer, q, k, v)
 
 
 class AttentionBackend(ABC):

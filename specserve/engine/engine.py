@@ -17,6 +17,7 @@ import torch
 
 from specserve.attention.backend import AttentionBackend
 from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
@@ -482,8 +483,12 @@ def pool_pages(cache: CacheConfig, device: torch.device, bytes_per_token: int) -
 
 
 def attention_backend(config: EngineConfig) -> AttentionBackend:
-    """The backend `config.attention_backend` names (TP followers build theirs here too)."""
-    return {"torch": TorchAttentionBackend}[config.attention_backend]()
+    """The backend `config.attention_backend` names; "auto" is triton on CUDA, torch on the CPU
+    (TP followers build theirs here too)."""
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if config.torch_device().type == "cuda" else "torch"
+    return {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[name]()
 
 
 def local_kv_heads(arch: ModelArch, tp: TPInfo) -> int:

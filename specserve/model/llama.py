@@ -53,8 +53,11 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
-        out = ctx.attend(self.layer, q, k, v)
+        if ctx.fuses_rotary:
+            out = ctx.attend_rotary(self.layer, q, k, v, positions, rope)
+        else:
+            q, k = rope(positions, q, k)
+            out = ctx.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -87,6 +90,23 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer over the stream x + residual (residual None: x alone, at the first layer),
+        each add fused with the norm after it (`ctx.add_rms_norm`); returns (MLP output, residual):
+        their sum is what `forward` returns."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = ctx.add_rms_norm(x, residual, norm1.weight, norm1.eps)
+        x = self.self_attn(h, positions, rope, ctx)
+        h, residual = ctx.add_rms_norm(x, residual, norm2.weight, norm2.eps)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -133,17 +153,26 @@ class LlamaForCausalLM(nn.Module):
         concatenated [T, len(capture) * H] (what EAGLE-3 heads fuse), or None."""
         x = self.model.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, ctx)
-            if i in capture:
-                captured[i] = x
+        if ctx.add_rms_norm is None:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, positions, self.rope, ctx)
+                if i in capture:
+                    captured[i] = x
+            hidden = self.model.norm(x)
+        else:  # the stream travels as (x, residual), each add fused into the norm after it
+            residual = None
+            for i, layer in enumerate(self.model.layers):
+                x, residual = layer.forward_fused(x, residual, positions, self.rope, ctx)
+                if i in capture:
+                    captured[i] = x + residual
+            hidden, _ = ctx.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
         if not capture:
-            return self.model.norm(x), None
+            return hidden, None
         if len(captured) != len(set(capture)):
             raise ValueError(
                 f"capture: layer ids {capture} outside the model's {len(self.model.layers)} layers"
             )
-        return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
+        return hidden, torch.cat([captured[i] for i in capture], dim=-1)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

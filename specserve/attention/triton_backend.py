@@ -1,0 +1,95 @@
+"""The Triton attention backend: the GPU fast path over the same paged KV cache as the torch backend.
+
+Per layer it makes two launches (three when the keys are split for a small batch): RoPE on q/k fused
+with the KV write (`specserve_kernels.rope_store`), then paged attention straight over the cache
+pages (`specserve_kernels.paged_attention`: prefill, decode and verify, causal or a tree mask). It
+also hands the decoder the fused residual-add + RMSNorm (`specserve_kernels.rms_norm`), so each
+layer's two norms are one launch each too.
+
+Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
+instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
+`specserve_kernels.use_triton`).
+
+Planning is host-only: `prepare` reads no device value, and the launch grid depends on the batch
+size, `max_query_len` and the number of key splits alone (the kernels read every length from the
+device tensors).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.attention.backend import AttentionBackend, AttentionBatch, AttentionContext
+from specserve.engine.kv_cache import KVCache
+from specserve_kernels import use_triton
+from specserve_kernels.paged_attention import num_splits, paged_attention, paged_attention_ref
+from specserve_kernels.rms_norm import add_rms_norm, add_rms_norm_ref
+from specserve_kernels.rope_store import rope_kv_store, rope_kv_store_ref
+
+if TYPE_CHECKING:
+    from specserve.model.layers import RotaryEmbedding
+
+
+class TritonAttentionContext(AttentionContext):
+    fuses_rotary = True
+
+    def __init__(
+        self,
+        batch: AttentionBatch,
+        layers: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+        kernels: bool,
+        fused_norm: bool,
+        splits: int | None = None,
+    ) -> None:
+        self.batch = batch
+        self.k_layers, self.v_layers = layers
+        self.store = rope_kv_store if kernels else rope_kv_store_ref
+        self.attention = paged_attention if kernels else paged_attention_ref
+        if fused_norm:
+            self.add_rms_norm = add_rms_norm if kernels else add_rms_norm_ref
+        self.splits = splits  # None: chosen at the first layer, once the head counts are known
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store(q, k, v, self.k_layers[layer], self.v_layers[layer], self.batch.slot_mapping)
+        return self._attend(layer, q)
+
+    def attend_rotary(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.k_layers[layer], self.v_layers[layer]
+        q = self.store(q, k, v, k_cache, v_cache, self.batch.slot_mapping, positions, rope.cos, rope.sin)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        b, k_cache = self.batch, self.k_layers[layer]
+        if self.splits is None:
+            kv_heads = k_cache.shape[1]
+            group = q.shape[1] // kv_heads
+            self.splits = num_splits(b.batch_size, b.max_query_len, b.max_seq_len, kv_heads, group, q.device)
+        return self.attention(q, k_cache, self.v_layers[layer], b, splits=self.splits)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """`fused_norm`: also hand the decoder layers the fused residual-add + RMSNorm. `splits` fixes
+    the number of key slices per attention program (None: chosen per step from the batch shape)."""
+
+    name = "triton"
+
+    def __init__(self, fused_norm: bool = True, splits: int | None = None) -> None:
+        self.fused_norm, self.splits = fused_norm, splits
+        self._kv: KVCache | None = None
+        self._layers: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
+
+    def prepare(self, batch: AttentionBatch, kv: KVCache) -> AttentionContext:
+        if kv is not self._kv:  # one view per layer, made once per cache rather than per call
+            self._kv, self._layers = kv, (kv.k.unbind(0), kv.v.unbind(0))
+        kernels = use_triton(kv.k.device)
+        return TritonAttentionContext(batch, self._layers, kernels, self.fused_norm, self.splits)

@@ -1,0 +1,182 @@
+"""The Triton attention backend end to end against the torch backend, on the tiny Llama-3 in fp32.
+
+Every kernel of the fast path runs: RoPE fused with the KV write, paged attention (prefill, chunked
+prefill after cached pages, decode, the verify of n-gram drafts), and the fused residual-add +
+RMSNorm in every layer — on the CPU under the Triton interpreter (SPECSERVE_TRITON_CPU=1; without it
+the backend runs each kernel's torch reference), on a GPU natively. Greedy tokens must be equal,
+logits and logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.triton_backend import TritonAttentionBackend
+from specserve.config import EngineConfig
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledItem
+from specserve.engine.step_input import build_step_input
+from specserve.model.loader import load_model
+from specserve.model.tokenizer import load_tokenizer
+
+from engine_utils import last_logits, max_rel_error
+from tiny_models import save_tiny_llama3
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEW_TOKENS = 8
+# Repetitive prompts: the n-gram drafter finds their last token earlier and proposes what followed.
+PROMPTS = [
+    [1000 + (i % 5) for i in range(23)],
+    [2000 + (i % 3) for i in range(9)] + [3000 + i for i in range(12)] + [2000, 2001],
+]
+
+
+SMALL_VOCAB = 96
+# For the small-vocabulary target, whose outputs repeat, so n-gram drafts come often and get accepted.
+SMALL_PROMPTS = [
+    [10 + (i % 5) for i in range(23)],
+    [20 + (i % 3) for i in range(9)] + [30 + i for i in range(12)] + [20, 21],
+]
+
+
+@pytest.fixture
+def triton_cpu(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_TRITON_CPU", "1")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama):
+    """The tiny Llama-3 on this machine's device (on the CPU, the shared copy)."""
+    if DEVICE == "cpu":
+        return tiny_llama
+    return load_model(str(tiny_llama.location.path), torch.device(DEVICE), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def small_target(smollm2_gguf, tmp_path_factory):
+    folder = save_tiny_llama3(
+        tmp_path_factory.mktemp("small") / "t", load_tokenizer(smollm2_gguf), SMALL_VOCAB
+    )
+    return load_model(str(folder), torch.device(DEVICE), torch.float32)
+
+
+def _llm(loaded, backend: str, page_size: int, **kwargs) -> LLM:
+    return LLM(
+        loaded,
+        device=str(loaded.model.lm_head.weight.device.type),
+        dtype="float32",
+        page_size=page_size,
+        max_total_tokens=1024,
+        attention_backend=backend,
+        **kwargs,
+    )
+
+
+def _params(new_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, return_logprob=True)
+
+
+def _logprobs(out) -> list[float]:
+    return [entry[0] for entry in out.meta["output_token_logprobs"]]
+
+
+def _assert_same_outputs(ours, reference) -> None:
+    assert [o.token_ids for o in ours] == [r.token_ids for r in reference]
+    for o, r in zip(ours, reference, strict=True):
+        assert max(abs(a - b) for a, b in zip(_logprobs(o), _logprobs(r), strict=True)) <= 1e-4
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_engine_matches_torch_backend(target, triton_cpu, page_size):
+    reference_llm = _llm(target, "torch", page_size)
+    reference = reference_llm.generate(PROMPTS, _params())
+    llm = _llm(target, "triton", page_size, max_batched_tokens=16)  # prefills in chunks
+    assert isinstance(llm.engine.backend, TritonAttentionBackend)
+    rel = max_rel_error(last_logits(llm.engine, PROMPTS), last_logits(reference_llm.engine, PROMPTS))
+    assert rel <= 1e-4
+    _assert_same_outputs(llm.generate(PROMPTS, _params()), reference)
+    # Again: the prompts' full pages now come from the prefix cache, the rest is prefilled after them.
+    again = llm.generate(PROMPTS, _params())
+    assert all(o.meta["cached_tokens"] > 0 for o in again)
+    _assert_same_outputs(again, reference)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculative_verify_matches_torch_backend(small_target, triton_cpu, page_size):
+    """Verify steps attend with k + 1 causal query rows per request (ragged across the batch)."""
+    params = _params(12)
+    reference = _llm(small_target, "torch", page_size).generate(SMALL_PROMPTS, params)
+    spec = {"method": "ngram", "num_steps": 3}
+    outs = _llm(small_target, "triton", page_size, speculative=spec).generate(SMALL_PROMPTS, params)
+    _assert_same_outputs(outs, reference)
+    assert sum(o.meta["spec_draft_tokens"] for o in outs) >= 6
+    assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
+
+
+def test_references_serve_without_the_interpreter(tiny_llama, monkeypatch):
+    """On the CPU without the opt-in, the backend runs the kernels' torch references (fast; on the
+    CPU on a GPU machine too)."""
+    monkeypatch.delenv("SPECSERVE_TRITON_CPU", raising=False)
+    reference = _llm(tiny_llama, "torch", 4).generate(PROMPTS, _params())
+    llm = _llm(tiny_llama, "triton", 4, speculative="ngram")
+    _assert_same_outputs(llm.generate(PROMPTS, _params()), reference)
+
+
+def test_fused_forward_keeps_hidden_and_captured_streams(target, triton_cpu):
+    """forward_features through the fused path (also with split-K attention): final hidden states
+    and the EAGLE-3 residual streams."""
+    engine = _llm(target, "torch", 16).engine
+    reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=1), seed=0) for i, p in enumerate(PROMPTS)]
+    try:
+        for req in reqs:
+            assert engine.kv.reserve(req, req.prompt_len)
+        inp = build_step_input([ScheduledItem.of(r, r.prompt_len) for r in reqs], 16, engine.device)
+        results = []
+        for backend in (TorchAttentionBackend(), TritonAttentionBackend(), TritonAttentionBackend(splits=3)):
+            ctx = backend.prepare(inp.attention, engine.kv_cache)
+            results.append(engine.model.forward_features(inp.input_ids, inp.positions, ctx, (0, 2)))
+    finally:
+        for req in reqs:
+            engine.kv.free(req)
+    (hidden, aux), *fused = results
+    for fused_hidden, fused_aux in fused:
+        torch.testing.assert_close(fused_hidden, hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused_aux, aux, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_is_torch_on_cpu_and_names_are_checked(tiny_llama):
+    assert _llm(tiny_llama, "auto", 1).engine.backend.name == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_smollm2_triton_vs_torch_backend_on_gpu(smollm2_gguf, mtbench_questions, dtype):
+    """The real model on the GPU: fp32 must agree (greedy tokens, logits within 1e-4); bf16 figures
+    are printed (rounding differs between the paths, so near-ties may flip)."""
+    loaded = load_model(str(smollm2_gguf), torch.device("cuda"), dtype)
+    name = str(dtype).removeprefix("torch.")
+    llms = {
+        backend: LLM(loaded, device="cuda", dtype=name, max_total_tokens=16384, attention_backend=backend)
+        for backend in ("torch", "triton")
+    }
+    prompts = [llms["torch"]._chat_ids([{"role": "user", "content": q}]) for q in mtbench_questions[:8]]
+    logits = {b: last_logits(llm.engine, prompts).float() for b, llm in llms.items()}
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    outs = {b: [o.token_ids for o in llm.generate(prompts, params)] for b, llm in llms.items()}
+    identical = sum(a == b for a, b in zip(outs["torch"], outs["triton"], strict=True))
+    first = sum(a[0] == b[0] for a, b in zip(outs["torch"], outs["triton"], strict=True))
+    rel = max_rel_error(logits["triton"], logits["torch"])
+    print(
+        f"\nSmolLM2 {name} triton vs torch backend: {identical}/{len(prompts)} greedy outputs identical, "
+        f"first tokens {first}/{len(prompts)}, max abs logit diff "
+        f"{(logits['triton'] - logits['torch']).abs().max().item():.4g}, max rel {rel:.3g}"
+    )
+    if dtype == torch.float32:
+        assert rel <= 1e-4 and identical == len(prompts)
+    else:
+        assert first >= len(prompts) - 1 and rel < 0.05
