@@ -124,6 +124,10 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    # CUDA graphs of decode and verify steps (None: on with the Triton backend on CUDA at TP size 1;
+    # True on the CPU runs the same padded static-buffer path without capture, which tests use).
+    cuda_graphs: bool | None = None
+    cuda_graph_max_batch: int = 64  # the largest batch bucket captured
     seed: int = 0
     # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).
     tp_size: int = 1
@@ -148,6 +152,17 @@ class EngineConfig:
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             f"must be one of {list(ATTENTION_BACKENDS)}",
+        )
+        _require(self.cuda_graphs in (None, True, False), "cuda_graphs", "must be null, true or false")
+        _require(
+            self.cuda_graphs is not True or self.attention_backend != "torch",
+            "cuda_graphs",
+            "needs the triton attention backend (attention_backend 'auto' or 'triton')",
+        )
+        _require(
+            isinstance(self.cuda_graph_max_batch, int) and self.cuda_graph_max_batch >= 1,
+            "cuda_graph_max_batch",
+            "must be an integer >= 1",
         )
         _require(
             isinstance(self.tp_size, int) and not isinstance(self.tp_size, bool) and self.tp_size >= 1,
@@ -179,6 +194,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def use_cuda_graphs(self) -> bool:
+        """Whether steps run through the bucketed static-buffer path (captured on CUDA)."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        triton = self.attention_backend in ("auto", "triton")
+        return triton and self.torch_device().type == "cuda" and self.tp_size == 1
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -22,6 +22,8 @@ class LLM:
     `LoadedModel` another LLM already holds (engines then share the weights).
     `device`/`dtype` default to the GPU in bf16 when there is one, else the CPU in fp32.
     `attention_backend`: "auto" (Triton kernels on CUDA, plain torch on the CPU), "torch" or "triton".
+    `cuda_graphs`: decode and verify steps replay CUDA graphs captured per batch bucket up to
+    `cuda_graph_max_batch` (default: on with the Triton backend on CUDA).
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
     (e.g. `{"method": "ngram", "num_steps": 4}`) or a method name.
 
@@ -46,6 +48,8 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         attention_backend: str = "auto",
+        cuda_graphs: bool | None = None,
+        cuda_graph_max_batch: int = 64,
     ) -> None:
         loaded = model if isinstance(model, LoadedModel) else None
         config = EngineConfig(
@@ -54,6 +58,8 @@ class LLM:
             dtype=dtype,
             max_model_len=max_model_len,
             attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
+            cuda_graph_max_batch=cuda_graph_max_batch,
             seed=seed,
             speculative=SpeculativeConfig.from_value(speculative),
             cache=CacheConfig(

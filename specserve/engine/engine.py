@@ -29,11 +29,13 @@ from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.stats import SpecSettings, StatsSink, StepStats
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
+from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
 from specserve.executor.runner import make_runner
 from specserve.executor.tp_group import agree_num_pages
 from specserve.model.arch import ModelArch
 from specserve.model.draft_heads import HEAD_METHODS, DraftHead
 from specserve.model.head_checkpoint import load_head
+from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import LoadedModel, load_model
 from specserve.model.parallel import NO_TP, TPInfo, head_shard
 from specserve.spec.drafter import Drafter, TargetFeed
@@ -68,7 +70,7 @@ class Engine:
                 f"{self.device} in {self.dtype}"
             )
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or self.arch.max_position, self.arch.max_position)
+        self.max_model_len = context_length(config, self.arch)
         page_size = config.cache.page_size
         draft_weights = self._drafter_weights()
         num_pages = self._num_pages(_kv_arch(draft_weights))
@@ -78,8 +80,14 @@ class Engine:
         self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = attention_backend(config)
-        self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp)
         self.drafter = self._make_drafter(draft_weights, num_pages)
+        capture = self.drafter.capture if self.drafter is not None else None
+        graphs = make_graphs(
+            config, self.model, self.backend, self.kv_cache, self.max_model_len, capture or ()
+        )
+        self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs)
+        buckets = self.runner.graph_buckets
+        self._graph_bucket = buckets.pick if buckets is not None else None
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []
@@ -168,7 +176,7 @@ class Engine:
     def _run_batch(self, items: list[ScheduledItem], stats: StepStats) -> list[RequestOutput]:
         """Forward, verify/sample and postprocess one scheduled batch; phases timed on the host (a
         phase ends where the host waits for the GPU anyway: verify copies its results to the host)."""
-        inp = build_step_input(items, self.kv.page_size, self.device)
+        inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket)
         capture = self.drafter.capture if self.drafter is not None else None
         hidden, aux, logits = self.runner.execute(inp, capture or ())
         emitted = self._verify(items, inp, logits)
@@ -483,12 +491,37 @@ def pool_pages(cache: CacheConfig, device: torch.device, bytes_per_token: int) -
 
 
 def attention_backend(config: EngineConfig) -> AttentionBackend:
-    """The backend `config.attention_backend` names; "auto" is triton on CUDA, torch on the CPU
-    (TP followers build theirs here too)."""
+    """The backend `config.attention_backend` names; "auto" is triton on CUDA (or with CUDA graphs
+    asked for), torch on the CPU (TP followers build theirs here too)."""
     name = config.attention_backend
     if name == "auto":
-        name = "triton" if config.torch_device().type == "cuda" else "torch"
+        triton = config.torch_device().type == "cuda" or config.use_cuda_graphs()
+        name = "triton" if triton else "torch"
     return {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[name]()
+
+
+def context_length(config: EngineConfig, arch: ModelArch) -> int:
+    """The longest sequence (prompt + output) a request may have: `max_model_len`, within the model's."""
+    return min(config.max_model_len or arch.max_position, arch.max_position)
+
+
+def make_graphs(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    kv_cache: KVCache,
+    max_model_len: int,
+    capture: tuple[int, ...] = (),
+) -> CudaGraphs | None:
+    """The decode/verify CUDA graphs of this config (None when off). Every TP rank calls this with
+    the same config, in the same order (a capture under TP runs collectives)."""
+    if not config.use_cuda_graphs():
+        return None
+    spec = config.speculative
+    max_draft = spec.num_steps if spec is not None and spec.topk == 1 else 0
+    max_batch = min(config.cuda_graph_max_batch, config.scheduler.max_running_requests)
+    buckets = GraphBuckets.for_engine(max_batch, max_draft)
+    return CudaGraphs(model, backend, kv_cache, buckets, max_model_len, capture)
 
 
 def local_kv_heads(arch: ModelArch, tp: TPInfo) -> int:

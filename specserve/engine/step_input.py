@@ -6,12 +6,19 @@ input logprob was asked for. Everything else skips the lm_head.
 
 Every int tensor of a step is a view of one flat int64 buffer (`StepInput.packed`): one host-to-device
 copy, and under tensor parallelism the one tensor rank 0 broadcasts; `StepInput.layout()` holds the
-sizes that cut it up again (`unpack_step_input`).
+sizes that cut it up again (`unpack_step_input`). The buffer starts with what a CUDA graph's static
+inputs hold (ids, positions, slots, query starts, seq lens: `graph_head_size`), so a graphed step
+copies them in one piece.
+
+A decode or verify step (every logit row is a token row, in order) that fits a CUDA-graph bucket is
+padded to it here: pad requests have no tokens (their query start repeats, their seq len is 0), and
+pad tokens past the real ones belong to no request, sit at position 0 and write their K/V to the
+dummy slot 0, so no real slot or row is touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +50,9 @@ class StepInput:
     sample_logit_rows: torch.Tensor  # [S] every sample row, concatenated, on the device
     input_logprobs: tuple[InputLogprobRows, ...]
     packed: torch.Tensor  # the flat int64 device buffer every tensor above is a view of
+    # Padded to a CUDA-graph bucket (batch_size, max_query_len): the runner replays that graph, and
+    # the first `logit_rows.shape[0]` rows of its outputs are this step's.
+    graphed: bool = False
 
     def layout(self) -> list[int]:
         """The sizes (STEP_LAYOUT_LEN ints) that rebuild this step's device tensors from `packed`."""
@@ -58,26 +68,27 @@ class StepInput:
             a.page_size,
             a.max_query_len,
             a.max_seq_len,
+            int(self.graphed),
         ]
 
 
-STEP_LAYOUT_LEN = 8
+STEP_LAYOUT_LEN = 9
+
+
+def graph_head_size(tokens: int, batch: int) -> int:
+    """Leading elements of a packed step a CUDA graph copies: ids, positions, slots, query starts, seq lens."""
+    return 3 * tokens + 2 * batch + 1
 
 
 def _packed_shapes(layout: Sequence[int]) -> list[tuple[int, ...]]:
-    """Shapes of the step's arrays in packing order: ids, logit rows, sample rows (the `extra` of
-    `build_step_input`), then positions, query starts, seq lens, slots and page table (`_batch_tensors`)."""
+    """Shapes of the step's arrays in packing order: ids, positions, slots, query starts, seq lens,
+    page table (`_batch_tensors`), then logit rows and sample rows (the `extra` of `build_step_input`)."""
     tokens, logit_rows, sample_rows, batch, max_pages = layout[:5]
-    return [
-        (tokens,),
-        (logit_rows,),
-        (sample_rows,),
-        (tokens,),
-        (batch + 1,),
-        (batch,),
-        (tokens,),
-        (batch, max_pages),
-    ]
+    return [*_batch_shapes(tokens, batch, max_pages), (logit_rows,), (sample_rows,)]
+
+
+def _batch_shapes(tokens: int, batch: int, max_pages: int) -> list[tuple[int, ...]]:
+    return [(tokens,), (tokens,), (tokens,), (batch + 1,), (batch,), (batch, max_pages)]
 
 
 def packed_size(layout: Sequence[int]) -> int:
@@ -87,12 +98,19 @@ def packed_size(layout: Sequence[int]) -> int:
 def unpack_step_input(layout: Sequence[int], packed: torch.Tensor) -> StepInput:
     """The device tensors of a step from its packed buffer (a TP follower's copy of rank 0's step).
     The host-side bookkeeping (sample items, logprob rows) stays empty: only rank 0 reads it."""
-    ids, rows, sample_rows, pos, *layout_tensors = _split(packed, _packed_shapes(layout))
+    ids, pos, *layout_tensors, rows, sample_rows = _split(packed, _packed_shapes(layout))
     attention = _attention_batch(layout_tensors, *layout[5:8])
-    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed)
+    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed, bool(layout[8]))
 
 
-def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.device) -> StepInput:
+def build_step_input(
+    items: list[ScheduledItem],
+    page_size: int,
+    device: torch.device,
+    graph_bucket: Callable[[int, int], tuple[int, int] | None] | None = None,
+) -> StepInput:
+    """`graph_bucket(batch, max_query_len)`: the CUDA-graph bucket (batch, query len) a decode or
+    verify step of that shape is padded to, or None (eager)."""
     ids: list[int] = []
     logit_rows: list[int] = []
     sample_items: list[int] = []
@@ -114,13 +132,19 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
             sample_rows.append(range(len(logit_rows), len(logit_rows) + 1 + len(item.draft)))
             logit_rows.extend(range(offset + item.num_known - 1, offset + item.num_tokens))
     flat_sample_rows = [r for rows in sample_rows for r in rows]
-    (input_ids, rows, sample_rows_t), pos, attention, packed = _batch_tensors(
+    query_lens = [item.num_tokens for item in items]
+    pad = None
+    if graph_bucket is not None and logit_rows == list(range(len(ids))):
+        pad = graph_bucket(len(items), max(query_lens))
+    input_ids, pos, attention, (rows, sample_rows_t), packed = _batch_tensors(
         [item.request for item in items],
         [item.start for item in items],
-        [item.num_tokens for item in items],
-        [ids, logit_rows, flat_sample_rows],
+        query_lens,
+        ids,
+        [logit_rows, flat_sample_rows],
         page_size,
         device,
+        pad,
     )
     return StepInput(
         input_ids=input_ids,
@@ -132,6 +156,7 @@ def build_step_input(items: list[ScheduledItem], page_size: int, device: torch.d
         sample_logit_rows=sample_rows_t,
         input_logprobs=tuple(input_lp),
         packed=packed,
+        graphed=pad is not None,
     )
 
 
@@ -151,38 +176,49 @@ def _batch_tensors(
     requests: list[Request],
     starts: list[int],
     query_lens: list[int],
+    ids: list[int],
     extra: list,
     page_size: int,
     device: torch.device,
-) -> tuple[list[torch.Tensor], torch.Tensor, AttentionBatch, torch.Tensor]:
-    """Positions and the attention layout of requests computing `query_lens` tokens from `starts` on,
-    copied to the device in one transfer together with the caller's `extra` int arrays; last, the
-    flat buffer they all view."""
+    pad: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[torch.Tensor], torch.Tensor]:
+    """Ids, positions and the attention layout of requests computing `query_lens` tokens from
+    `starts` on, copied to the device in one transfer together with the caller's `extra` int arrays;
+    last, the flat buffer they all view. `pad` (batch, query len): pad to that CUDA-graph bucket."""
     ctx = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, query_lens, strict=True)]
     slots = [
         np.asarray(r.pages, dtype=np.int64)[c // page_size] * page_size + c % page_size
         for r, c in zip(requests, ctx, strict=True)
     ]
     seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-    host = [
-        *extra,
-        np.concatenate(ctx),
-        np.concatenate([[0], np.cumsum(query_lens)]),
-        seq_lens,
-        np.concatenate(slots),
-        _page_table(requests, seq_lens, page_size),
-    ]
-    views, packed = _to_device(host, device)
-    *extras, pos = views[:-4]
-    attention = _attention_batch(views[-4:], page_size, max(query_lens), max(seq_lens))
-    return extras, pos, attention, packed
+    query_start = np.concatenate([[0], np.cumsum(query_lens)])
+    table = _page_table(requests, seq_lens, page_size)
+    max_query_len = max(query_lens)
+    token_arrays = [np.asarray(ids, dtype=np.int64), np.concatenate(ctx), np.concatenate(slots)]
+    if pad is not None:
+        batch, max_query_len = pad
+        tokens = batch * max_query_len
+        token_arrays = [_pad(a, tokens, 0) for a in token_arrays]
+        query_start = _pad(query_start, batch + 1, query_start[-1])
+        seq_lens = _pad(np.asarray(seq_lens, dtype=np.int64), batch, 0)
+        table = np.concatenate([table, np.zeros((batch - len(requests), table.shape[1]), np.int64)])
+    views, packed = _to_device([*token_arrays, query_start, seq_lens, table, *extra], device)
+    input_ids, pos, slots_t, *layout_tensors = views[:6]
+    attention = _attention_batch([slots_t, *layout_tensors], page_size, max_query_len, max(seq_lens))
+    return input_ids, pos, attention, views[6:], packed
+
+
+def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, dtype=np.int64)
+    out[: len(values)] = values
+    return out
 
 
 def _attention_batch(
     tensors: list[torch.Tensor], page_size: int, max_query_len: int, max_seq_len: int
 ) -> AttentionBatch:
-    """From the device views (query starts, seq lens, slots, page table) in packing order."""
-    query_start, seq_lens, slot_mapping, page_table = tensors
+    """From the device views (slots, query starts, seq lens, page table) in packing order."""
+    slot_mapping, query_start, seq_lens, page_table = tensors
     return AttentionBatch(
         query_start=query_start,
         seq_lens=seq_lens,
@@ -240,11 +276,12 @@ def build_draft_input(
     draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
     ids = [t for _, _, tokens in feeds for t in tokens]
     query_lens = [len(tokens) for _, _, tokens in feeds]
-    (input_ids, last), pos, attention, _ = _batch_tensors(
+    input_ids, pos, attention, (last,), _ = _batch_tensors(
         [req for req, _, _ in feeds],
         [start for _, start, _ in feeds],
         query_lens,
-        [ids, np.cumsum(query_lens) - 1],
+        ids,
+        [np.cumsum(query_lens) - 1],
         page_size,
         device,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from specserve.config import EngineConfig
-from specserve.engine.engine import attention_backend, local_kv_heads, pool_pages
+from specserve.engine.engine import attention_backend, context_length, local_kv_heads, make_graphs, pool_pages
 from specserve.engine.kv_cache import KVCache
 from specserve.executor.runner import follower_loop
 from specserve.executor.tp_group import (
@@ -62,4 +62,7 @@ def serve_follower(config: EngineConfig, tp: TPInfo) -> int:
     per_token = KVCache.bytes_per_token(arch, dtype, kv_heads)
     num_pages = agree_num_pages(pool_pages(config.cache, device, per_token), tp, device)
     kv_cache = KVCache.allocate(arch, num_pages, config.cache.page_size, dtype, device, kv_heads)
-    return follower_loop(loaded.model, attention_backend(config), kv_cache, tp)
+    backend = attention_backend(config)
+    # Captured in step with rank 0 (Engine.__init__), which makes its graphs after the same KV agreement.
+    graphs = make_graphs(config, loaded.model, backend, kv_cache, context_length(config, arch))
+    return follower_loop(loaded.model, backend, kv_cache, tp, graphs)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from specserve.attention.backend import AttentionBackend
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.step_input import STEP_LAYOUT_LEN, StepInput, packed_size, unpack_step_input
+from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.parallel import TPInfo
 
@@ -26,12 +27,25 @@ StepResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 class ModelRunner:
     """One step of the target: (final hidden [T, H], captured residual streams or None, fp32 logits
-    of `step.logit_rows` [R, V]). At TP size 1 this is the whole story: a direct call."""
+    of `step.logit_rows` [R, V]). At TP size 1 this is the whole story: a direct call. A step padded
+    to a CUDA-graph bucket replays that graph (`graphs`; every rank captured the same buckets)."""
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache) -> None:
-        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        graphs: CudaGraphs | None = None,
+    ) -> None:
+        self.model, self.backend, self.kv_cache, self.graphs = model, backend, kv_cache, graphs
+
+    @property
+    def graph_buckets(self) -> GraphBuckets | None:
+        return None if self.graphs is None else self.graphs.buckets
 
     def execute(self, step: StepInput, capture: tuple[int, ...] = ()) -> StepResult:
+        if step.graphed:
+            return self.graphs.run(step, capture)
         ctx = self.backend.prepare(step.attention, self.kv_cache)
         hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture)
         return hidden, aux, self.model.compute_logits(hidden[step.logit_rows])
@@ -44,9 +58,14 @@ class DriverRunner(ModelRunner):
     """TP rank 0: tell the followers each step before running it alongside them."""
 
     def __init__(
-        self, model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache, tp: TPInfo
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        tp: TPInfo,
+        graphs: CudaGraphs | None = None,
     ) -> None:
-        super().__init__(model, backend, kv_cache)
+        super().__init__(model, backend, kv_cache, graphs)
         self.tp, self.closed = tp, False
         self.src = _driver_rank(tp)
 
@@ -68,17 +87,27 @@ class DriverRunner(ModelRunner):
 
 
 def make_runner(
-    model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache, tp: TPInfo
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    kv_cache: KVCache,
+    tp: TPInfo,
+    graphs: CudaGraphs | None = None,
 ) -> ModelRunner:
     """A direct call at TP size 1, else rank 0's broadcasting runner."""
     if tp.size == 1:
-        return ModelRunner(model, backend, kv_cache)
-    return DriverRunner(model, backend, kv_cache, tp)
+        return ModelRunner(model, backend, kv_cache, graphs)
+    return DriverRunner(model, backend, kv_cache, tp, graphs)
 
 
-def follower_loop(model: LlamaForCausalLM, backend: AttentionBackend, kv_cache: KVCache, tp: TPInfo) -> int:
+def follower_loop(
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    kv_cache: KVCache,
+    tp: TPInfo,
+    graphs: CudaGraphs | None = None,
+) -> int:
     """Run every step rank 0 broadcasts until it sends SHUTDOWN; returns the number of steps run."""
-    runner = ModelRunner(model, backend, kv_cache)
+    runner = ModelRunner(model, backend, kv_cache, graphs)
     device, src = kv_cache.k.device, _driver_rank(tp)
     steps = 0
     while True:

@@ -1,0 +1,137 @@
+"""CUDA graphs of the target's forward for decode and verify steps, one per (batch, query len) bucket.
+
+At small batch a decode step is launch-bound: a few hundred kernels of microseconds each, issued by
+Python. Each bucket's forward (every layer, the final norm and the logits of every token row) is
+captured once over static input buffers; a step that fits a bucket arrives padded to it
+(`build_step_input`), its packed inputs are copied into the bucket's buffers (two copies: the leading
+token and request arrays, and the page table into the top-left corner of a table as wide as the
+context), and the graph is replayed. Decode steps use query len 1, verify steps num_steps + 1; a
+request with fewer drafts simply has fewer tokens (the kernels read every length on the device).
+
+Buckets are captured largest first into one memory pool. The attention's key-split count is fixed
+at capture for the longest context, so one graph serves every context length. Without CUDA (tests on
+the CPU) the same buffers and padding run eagerly instead of being captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.backend import AttentionBackend, AttentionBatch
+from specserve.engine.kv_cache import KVCache
+from specserve.engine.step_input import StepInput, graph_head_size
+from specserve.model.llama import LlamaForCausalLM
+
+# (final hidden [T, H], captured residual streams or None, fp32 logits [T, V]) of every token row
+Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GraphBuckets:
+    """The shapes graphs exist for: a step of B requests with at most Q tokens each runs in the
+    smallest bucket (b >= B, q >= Q)."""
+
+    batch_sizes: tuple[int, ...]  # ascending
+    query_lens: tuple[int, ...]  # ascending
+
+    @classmethod
+    def for_engine(cls, max_batch: int, max_draft: int) -> GraphBuckets:
+        """Batch sizes 1, 2, 4, 8, then every 8 up to `max_batch`; query len 1 (decode) and, with
+        speculation, `max_draft` + 1 (verify)."""
+        sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 8)) + [max_batch]
+        lens = (1, max_draft + 1) if max_draft > 0 else (1,)
+        return cls(tuple(sorted(set(sizes))), lens)
+
+    def pick(self, batch: int, max_query_len: int) -> tuple[int, int] | None:
+        b = next((s for s in self.batch_sizes if s >= batch), None)
+        q = next((s for s in self.query_lens if s >= max_query_len), None)
+        return None if b is None or q is None else (b, q)
+
+
+class _Graph:
+    """One bucket: its static inputs, its outputs and (on CUDA) the captured graph."""
+
+    def __init__(
+        self, batch: int, query_len: int, page_table: torch.Tensor, page_size: int, max_seq_len: int
+    ) -> None:
+        tokens = batch * query_len
+        self.head = torch.zeros(graph_head_size(tokens, batch), dtype=torch.int64, device=page_table.device)
+        ids, positions, slots, query_start, seq_lens = self.head.split([tokens] * 3 + [batch + 1, batch])
+        # Until the first real step: every request query_len tokens over the dummy page.
+        query_start.copy_(torch.arange(batch + 1) * query_len)
+        seq_lens.fill_(query_len)
+        self.ids, self.positions = ids, positions
+        self.attention = AttentionBatch(
+            query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Outputs | None = None
+
+
+class CudaGraphs:
+    """Captures every bucket of `buckets` at construction (on CUDA); `run` executes a padded step."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        buckets: GraphBuckets,
+        max_seq_len: int,
+        capture: tuple[int, ...] = (),
+    ) -> None:
+        self.model, self.backend, self.kv_cache = model, backend, kv_cache
+        self.buckets, self.capture_layers = buckets, capture
+        page_size = kv_cache.page_size
+        device = kv_cache.k.device
+        self.page_table = torch.zeros(
+            max(buckets.batch_sizes), -(-max_seq_len // page_size), dtype=torch.int64, device=device
+        )
+        self.graphs = {
+            (b, q): _Graph(b, q, self.page_table, page_size, max_seq_len)
+            for q in buckets.query_lens
+            for b in buckets.batch_sizes
+        }
+        self.captured = device.type == "cuda"
+        if self.captured:
+            self._capture_all()
+
+    def run(self, step: StepInput, capture: tuple[int, ...] = ()) -> Outputs:
+        """The outputs of a padded step's real rows (views of the bucket's static outputs: consume
+        them before the next step)."""
+        if capture != self.capture_layers:
+            raise ValueError(f"capture: graphs were captured for layers {self.capture_layers}, not {capture}")
+        a = step.attention
+        graph = self.graphs[(a.batch_size, a.max_query_len)]
+        graph.head.copy_(step.packed[: graph.head.numel()])
+        self.page_table[: a.batch_size, : a.page_table.shape[1]].copy_(a.page_table)
+        if self.captured:
+            graph.graph.replay()
+            hidden, aux, logits = graph.outputs
+        else:
+            hidden, aux, logits = self._forward(graph)
+        rows = step.logit_rows.shape[0]
+        return hidden[:rows], None if aux is None else aux[:rows], logits[:rows]
+
+    def _forward(self, graph: _Graph) -> Outputs:
+        ctx = self.backend.prepare(graph.attention, self.kv_cache)
+        hidden, aux = self.model.forward_features(graph.ids, graph.positions, ctx, self.capture_layers)
+        return hidden, aux, self.model.compute_logits(hidden)
+
+    def _capture_all(self) -> None:
+        pool = None
+        # Largest first, so smaller buckets reuse the pool's blocks.
+        for key in sorted(self.graphs, key=lambda k: (-k[0] * k[1], -k[0])):
+            graph = self.graphs[key]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compiles the kernels and sets up cuBLAS off the graph
+                self._forward(graph)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph.graph, pool=pool):
+                graph.outputs = self._forward(graph)
+            pool = graph.graph.pool()
+        torch.cuda.synchronize()

@@ -1,0 +1,167 @@
+"""CUDA graphs of decode and verify steps: bucket choice, padding, and graphed steps equal to eager ones.
+
+On the CPU the graphed path runs its static buffers and padding without capture (the Triton
+backend's torch references); on a GPU the graphs are captured and replayed. Either way the padded
+step must produce exactly what the eager step does: tokens equal, logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledItem
+from specserve.engine.step_input import build_step_input, unpack_step_input
+from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
+from specserve.model.head_checkpoint import random_head, save_head
+from specserve.model.loader import load_model
+from specserve.model.tokenizer import load_tokenizer
+
+from tiny_models import save_tiny_llama3
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+VOCAB = 96  # a small vocabulary: outputs repeat, so n-gram drafts come and get accepted
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_gguf, tmp_path_factory):
+    folder = save_tiny_llama3(tmp_path_factory.mktemp("graphs") / "t", load_tokenizer(smollm2_gguf), VOCAB)
+    return load_model(str(folder), torch.device(DEVICE), torch.float32)
+
+
+@pytest.fixture
+def graphed_runs(monkeypatch):
+    """Counts the steps that ran through a graph bucket."""
+    calls = []
+    original = CudaGraphs.run
+
+    def counting(self, step, capture=()):
+        calls.append((step.attention.batch_size, step.attention.max_query_len))
+        return original(self, step, capture)
+
+    monkeypatch.setattr(CudaGraphs, "run", counting)
+    return calls
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[10 + (i % rng.randrange(2, 6)) for i in range(rng.randrange(6, 30))] for _ in range(count)]
+
+
+def _llm(target, graphs: bool, page_size: int = 1, **kwargs) -> LLM:
+    return LLM(
+        target,
+        device=DEVICE,
+        dtype="float32",
+        page_size=page_size,
+        max_total_tokens=2048,
+        attention_backend="triton",
+        cuda_graphs=graphs,
+        cuda_graph_max_batch=4,
+        **kwargs,
+    )
+
+
+def _params(count: int) -> list[SamplingParams]:
+    """Different lengths, so the batch shrinks through eager (5 running) and graphed (<= 4) steps."""
+    return [
+        SamplingParams(max_new_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, return_logprob=True)
+        for i in range(count)
+    ]
+
+
+def _assert_same(ours, reference) -> None:
+    assert [o.token_ids for o in ours] == [r.token_ids for r in reference]
+    for o, r in zip(ours, reference, strict=True):
+        a = [e[0] for e in o.meta["output_token_logprobs"]]
+        b = [e[0] for e in r.meta["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
+
+
+def test_buckets():
+    buckets = GraphBuckets.for_engine(max_batch=40, max_draft=4)
+    assert buckets.batch_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert buckets.query_lens == (1, 5)
+    assert buckets.pick(3, 1) == (4, 1)
+    assert buckets.pick(9, 2) == (16, 5)
+    assert buckets.pick(40, 5) == (40, 5)
+    assert buckets.pick(41, 1) is None and buckets.pick(1, 6) is None
+    assert GraphBuckets.for_engine(max_batch=3, max_draft=0) == GraphBuckets((1, 2, 3), (1,))
+
+
+def test_padding_touches_no_real_slot():
+    reqs = [
+        Request(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_new_tokens=4), 0)
+        for i, n in enumerate((5, 9, 2))
+    ]
+    for req, pages in zip(reqs, ([7, 8], [3, 4, 5], [9]), strict=True):
+        req.pages = pages
+    # Each decodes its last token; r1 also verifies one draft.
+    items = [ScheduledItem(r, r.prompt_len - 1, 1, True) for r in reqs]
+    items[1] = ScheduledItem(reqs[1], reqs[1].prompt_len - 1, 2, True, (11,))
+    step = build_step_input(items, 4, torch.device("cpu"), lambda b, q: (4, 3))
+    assert step.graphed and step.layout()[0] == 12 and step.attention.batch_size == 4
+    assert step.attention.max_query_len == 3
+    assert step.attention.query_start.tolist() == [0, 1, 3, 4, 4]
+    assert step.attention.seq_lens.tolist() == [5, 10, 2, 0]
+    assert step.attention.slot_mapping[4:].tolist() == [0] * 8  # pad tokens write the dummy slot
+    assert step.positions[4:].tolist() == [0] * 8
+    assert step.logit_rows.tolist() == [0, 1, 2, 3]  # the real rows only
+    copy = unpack_step_input(step.layout(), step.packed.clone())
+    assert copy.graphed and torch.equal(copy.attention.page_table, step.attention.page_table)
+    # A step whose logit rows are not its token rows (a prefill) stays eager.
+    prefill = [ScheduledItem.of(r, r.prompt_len) for r in reqs]
+    assert not build_step_input(prefill, 4, torch.device("cpu"), lambda b, q: (4, 16)).graphed
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_steps": 3}])
+def test_graphed_steps_equal_eager(target, graphed_runs, page_size, speculative):
+    prompts = _prompts(5)
+    reference = _llm(target, False, page_size, speculative=speculative).generate(prompts, _params(5))
+    assert not graphed_runs
+    llm = _llm(target, True, page_size, speculative=speculative)
+    _assert_same(llm.generate(prompts, _params(5)), reference)
+    assert len({b for b, _ in graphed_runs}) >= 2  # several batch buckets, with pad requests
+    if speculative:  # verify steps ran in the (batch, num_steps + 1) graphs, and drafts were accepted
+        assert 4 in {q for _, q in graphed_runs}
+        assert sum(o.meta["spec_accepted_tokens"] for o in reference) > 0
+
+
+def test_hidden_state_drafter_reads_graphed_features(target, graphed_runs, tmp_path):
+    """EAGLE-3 fuses residual streams the graph captured: its drafts and outputs equal eager ones."""
+    config, tensors = random_head("eagle3", target.arch, seed=5)
+    folder = save_head(tmp_path / "eagle3", config, tensors)
+    spec = {"method": "eagle3", "draft_model": str(folder), "num_steps": 3}
+    prompts = _prompts(3, seed=1)
+    reference = _llm(target, False, speculative=spec).generate(prompts, _params(3))
+    outs = _llm(target, True, speculative=spec).generate(prompts, _params(3))
+    _assert_same(outs, reference)
+    assert [o.meta["spec_accepted_tokens"] for o in outs] == [
+        r.meta["spec_accepted_tokens"] for r in reference
+    ]
+    assert graphed_runs
+
+
+@pytest.mark.gpu
+def test_smollm2_graphs_equal_eager_on_gpu(smollm2_gguf, mtbench_questions):
+    """Captured graphs replayed at batch 1..16 (and past the largest bucket, eager) equal eager steps,
+    in fp32 (bitwise-equal tokens expected; logprobs within 1e-4) with and without n-gram drafts."""
+    loaded = load_model(str(smollm2_gguf), torch.device("cuda"), torch.float32)
+    eager = LLM(loaded, dtype="float32", cuda_graphs=False)
+    prompts = [eager._chat_ids([{"role": "user", "content": q}]) for q in mtbench_questions[:20]]
+    params = [
+        SamplingParams(max_new_tokens=16 + 4 * i, temperature=0.0, ignore_eos=True, return_logprob=True)
+        for i in range(len(prompts))
+    ]
+    for spec in (None, {"method": "ngram", "num_steps": 4}):
+        reference = LLM(loaded, dtype="float32", cuda_graphs=False, speculative=spec).generate(
+            prompts, params
+        )
+        graphed = LLM(loaded, dtype="float32", cuda_graph_max_batch=16, speculative=spec)
+        assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.captured
+        _assert_same(graphed.generate(prompts, params), reference)
