@@ -219,17 +219,16 @@ def _record_dict(record: RequestRecord) -> dict[str, Any]:
     }
 
 
+def _describe_load(load: dict[str, Any]) -> str:
+    if load["request_rate"] is None:
+        return f"concurrency {load['concurrency']}"
+    cap = f", at most {load['concurrency']} in flight" if load["concurrency"] else ""
+    return f"Poisson {load['request_rate']}/s{cap}"
+
+
 def render(report: dict[str, Any]) -> str:
     """The printed summary: outcomes, throughput, and a latency table in milliseconds."""
-    load = report["load"]
-    shape = (
-        f"concurrency {load['concurrency']}"
-        if load["request_rate"] is None
-        else (
-            f"Poisson {load['request_rate']}/s"
-            + (f", at most {load['concurrency']} in flight" if load["concurrency"] else "")
-        )
-    )
+    shape = _describe_load(report["load"])
     counts = ", ".join(f"{name} {n}" for name, n in report["outcomes"].items() if n)
     lines = [
         f"{report['endpoint']} at {report['url']}, {shape}: {report['sent']} sent, {report['not_sent']} not sent "
