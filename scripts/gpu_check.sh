@@ -23,5 +23,9 @@ if [ -z "${SKIP_KERNELS:-}" ]; then
   python3 -P -m pytest -q -s -p no:cacheprovider tests/test_kernel_*.py tests/test_triton_backend.py --ignore=tests/test_kernel_bench.py 2>&1 | tee "$OUT/kernel_tests.log"
   python3 -P -m pytest -q -s -p no:cacheprovider -m gpu tests/test_kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log"
 fi
-[ -z "${SKIP_BENCH:-}" ] && python3 -P -m specserve.cli bench --batch-sizes "${BENCH_BATCHES:-1,16,80}" --max-new-tokens 256 --hf --speculative ngram --num-steps 4 \
-  --out "$OUT/bench.json" 2>&1 | grep -v "it/s" | tee "$OUT/bench.log"
+# The offline bench: plain and n-gram engines over one load of the model, HF generate beside them;
+# bench.json, bench.png (tok/s vs batch size) and the log land in $OUT. BENCH_ARGS adds flags
+# (e.g. "--spec ngram:2 --dataset sharegpt"); SPECSERVE_COMMIT names the commit (this copy has no git).
+[ -z "${SKIP_BENCH:-}" ] && python3 -P -m specserve.cli bench offline --batch-sizes "${BENCH_BATCHES:-1,16,80}" \
+  --max-new-tokens 256 --peer hf --spec ngram:4 ${BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 \
+  | grep -v "it/s" | tee "$OUT/bench.log"

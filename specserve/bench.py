@@ -1,24 +1,34 @@
-"""`specserve bench`: offline output throughput on MT-Bench prompts, beside HF transformers `generate`.
+"""`specserve bench [offline]`: output throughput on MT-Bench or ShareGPT prompts, beside HF `generate`.
 
-Every batch size runs the same chat prompts through our engine and, in the same process on the same
-device, through HF `generate` (plain greedy, and prompt lookup at batch 1), so each figure is also a
-ratio. Greedy, a fixed number of new tokens (EOS ignored), wall time from submission to the last token.
-With `--url` the same batches also go to a running server over HTTP (`specserve.bench_http`).
+The model is loaded once; plain decoding and every speculative configuration asked for run as engines
+over those same weights. With `--peer hf`, HF transformers `generate` runs the same model on the same
+device in the same dtype (plain greedy, and prompt lookup at batch 1), so each figure is also a
+ratio. Greedy, a fixed number of new tokens (EOS ignored), wall time from submission to the last
+token, the prefix cache flushed before each run. With `--url` the same batches also go to a running
+server over HTTP (`specserve.bench_http`). Output: JSON, a table, and a PNG of tok/s vs batch size.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
+from specserve.bench_data import add_dataset_arguments, cycle, prompt_texts
+from specserve.bench_plot import plot_throughput
+from specserve.bench_report import format_table, run_info, write_json
+from specserve.cli_spec_args import add_speculative_arguments, parse_spec, spec_name, speculative_from_args
 from specserve.config import ATTENTION_BACKENDS
 from specserve.types import SamplingParams
+
+PLAIN = spec_name(None)
+HF = "hf-generate"
+HF_PROMPT_LOOKUP = "hf-generate-prompt-lookup"
+WARMUP_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m-instruct", help="asset name, .gguf file or HF folder"
     )
+    add_dataset_arguments(parser)
     parser.add_argument("--batch-sizes", default="1,64", help="comma-separated batch sizes")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--device", default="auto")
@@ -46,76 +57,151 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         help="auto (Triton kernels on CUDA, torch on the CPU), torch or triton",
     )
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
-    add_speculative_arguments(parser)  # with --speculative, runs with and without it
     parser.add_argument(
-        "--hf", action="store_true", help="also time HF transformers generate in this process"
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens per engine (default: what the largest batch needs)",
     )
+    parser.add_argument(
+        "--spec",
+        action="append",
+        default=[],
+        type=parse_spec,
+        metavar="METHOD[:NUM_STEPS[:DRAFT_MODEL]]",
+        help="a speculative configuration to run besides plain decoding (repeatable), "
+        "e.g. ngram:4 or eagle3:5:path/to/head",
+    )
+    add_speculative_arguments(parser)  # one more configuration, the older way
+    parser.add_argument(
+        "--peer",
+        default="none",
+        choices=("none", "hf"),
+        help="hf: also time HF transformers generate on the same model, device and dtype",
+    )
+    parser.add_argument("--hf", dest="peer", action="store_const", const="hf", help="same as --peer hf")
     parser.add_argument(
         "--url",
         default=None,
         help="also send the workload to a running server (native /generate) at this URL",
     )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
+    parser.add_argument("--plot", default=None, help="where to write the PNG (default: --out with .png)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.assets import dataset_path
+    from specserve.config import EngineConfig
+    from specserve.model.loader import load_model
+    from specserve.model.tokenizer import chat_prompt_ids
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    llm = _engine(args, args.model, None, max(batch_sizes))
-    questions = [
-        json.loads(line)["turns"][0] for line in dataset_path("mt-bench").read_text().splitlines() if line
+    try:
+        specs = _specs(args)
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        where = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
+    except ValueError as err:
+        print(f"specserve bench: error: {err}", file=sys.stderr)
+        return 2
+    loaded = load_model(args.model, where.torch_device(), where.torch_dtype())  # once, for every engine
+    room = loaded.arch.max_position - args.max_new_tokens - _max_steps(specs) - 1
+    chats = [
+        chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": text}])
+        for text in prompt_texts(args.dataset, seed=args.seed, max_chars=args.max_prompt_chars)
     ]
-    prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions]
-    engines = {"specserve": llm}
-    spec = speculative_from_args(args)
-    if spec:
-        name = f"specserve-{args.speculative}-{args.num_steps}"
-        engines[name] = _engine(args, llm.engine.loaded, spec, max(batch_sizes))
-    hf = _load_hf(llm) if args.hf else None
-    rows: list[BenchRow] = []
+    fitting = [ids for ids in chats if len(ids) <= room]
+    if not fitting:
+        print(f"specserve bench: error: no {args.dataset} prompt fits {room} tokens", file=sys.stderr)
+        return 2
+    prompts = cycle(fitting, max(batch_sizes))
+    pool = args.max_total_tokens or _pool_tokens(prompts, args, _max_steps(specs))
+    engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
+    plain = engines[PLAIN]
+    hf = _load_hf(plain) if args.peer == "hf" else None
+    lookup = _prompt_lookup_tokens(specs, args.num_steps)
     for engine in engines.values():
-        _time_engine(engine, prompts[:2], 8)  # warm-up
+        _time_engine(engine, prompts[:2], WARMUP_TOKENS)
+    if hf is not None:
+        _time_hf(hf, plain, prompts[:1], WARMUP_TOKENS)
+    rows: list[BenchRow] = []
     for b in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(b)]
+        batch = prompts[:b]
         for name, engine in engines.items():
             seconds, accept = _time_engine(engine, batch, args.max_new_tokens)
             rows.append(_row(name, b, args.max_new_tokens, seconds, accept))
         if hf is not None:
-            rows.append(
-                _row("hf-generate", b, args.max_new_tokens, _time_hf(hf, llm, batch, args.max_new_tokens))
-            )
+            rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
             if b == 1:
-                seconds = _time_hf(hf, llm, batch, args.max_new_tokens, prompt_lookup=args.num_steps)
-                rows.append(_row("hf-generate-prompt-lookup", b, args.max_new_tokens, seconds))
+                seconds = _time_hf(hf, plain, batch, args.max_new_tokens, prompt_lookup=lookup)
+                rows.append(_row(HF_PROMPT_LOOKUP, b, args.max_new_tokens, seconds))
     if args.url:
         from specserve.bench_http import http_rows
 
         rows += http_rows(args.url, prompts, batch_sizes, args.max_new_tokens)
+    gpu = torch.cuda.get_device_name(plain.engine.device) if plain.engine.device.type == "cuda" else None
     report = {
+        "mode": "offline",
+        **run_info(getattr(args, "argv", sys.argv[1:])),
         "model": args.model,
-        "device": str(llm.engine.device),
-        "dtype": str(llm.engine.dtype),
-        "attention_backend": llm.engine.backend.name,
-        "gpu": torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else None,
+        "device": str(plain.engine.device),
+        "gpu": gpu,
+        "dtype": str(plain.engine.dtype).removeprefix("torch."),
+        "attention_backend": plain.engine.backend.name,
+        "dataset": args.dataset,
+        "distinct_prompts": len({tuple(p) for p in prompts}),
+        "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "systems": {
+            **{spec_name(spec): {"speculative": spec} for spec in specs},
+            **({HF: {"peer": "hf"}, HF_PROMPT_LOOKUP: {"prompt_lookup_num_tokens": lookup}} if hf else {}),
+        },
         "rows": [asdict(r) for r in rows],
     }
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    _print_table(rows)
+    write_json(args.out, report)
+    print(format_table(*_table(rows)))
+    plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
+    title = f"{Path(args.model).name} on {gpu or report['device']} ({report['dtype']}), {args.dataset}, "
+    title += f"{args.max_new_tokens} new tokens"
+    if plot_throughput([(r.system, r.batch_size, r.tokens_per_s) for r in rows], plot, title):
+        print(f"plot: {plot}")
     return 0
 
 
-def _engine(args: argparse.Namespace, model, speculative: dict | None, max_batch: int):
+def _specs(args: argparse.Namespace) -> list[dict | None]:
+    """Plain decoding first (the baseline of every ratio), then each configuration once."""
+    specs: list[dict | None] = [None]
+    for spec in [*args.spec, speculative_from_args(args)]:
+        if spec is not None and spec_name(spec) in {spec_name(s) for s in specs}:
+            raise ValueError(f"{spec_name(spec)} is configured twice")
+        if spec is not None:
+            specs.append(spec)
+    return specs
+
+
+def _max_steps(specs: list[dict | None]) -> int:
+    return max((s["num_steps"] for s in specs if s), default=0)
+
+
+def _prompt_lookup_tokens(specs: list[dict | None], default: int) -> int:
+    """HF's prompt lookup drafts as many tokens as our n-gram drafter, when one runs."""
+    return next((s["num_steps"] for s in specs if s and s["method"] == "ngram"), default)
+
+
+def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, steps: int) -> int:
+    """KV slots for the largest batch with every request at full length (drafts and page rounding
+    included): engines share the GPU, so none may size its pool from free memory and starve the next."""
+    longest = max(len(p) for p in prompts)
+    return len(prompts) * (longest + args.max_new_tokens + steps + 1 + 2 * args.page_size)
+
+
+def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batch: int, pool: int):
     from specserve import LLM
 
     return LLM(
-        model,
+        loaded,
         device=args.device,
         dtype=args.dtype,
         page_size=args.page_size,
         attention_backend=args.attention_backend,
-        max_total_tokens=args.max_total_tokens,
+        max_total_tokens=pool,
         max_running_requests=max_batch,
         max_batched_tokens=8192,
         speculative=speculative,
@@ -185,16 +271,20 @@ def _time_hf(
     return time.perf_counter() - start
 
 
-def _print_table(rows: list[BenchRow]) -> None:
+def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
     """One line per run; the last column is each run's speed over plain specserve at that batch size."""
-    plain = {r.batch_size: r.tokens_per_s for r in rows if r.system == "specserve"}
-    print(
-        f"{'system':<28}{'batch':>6}{'new tok':>9}{'seconds':>10}{'tok/s':>11}{'accept len':>12}{'x plain':>9}"
-    )
-    for r in rows:
-        accept = f"{r.accept_length:.2f}" if r.accept_length else "-"
-        speedup = r.tokens_per_s / plain[r.batch_size]
-        print(
-            f"{r.system:<28}{r.batch_size:>6}{r.new_tokens:>9}{r.seconds:>10.2f}{r.tokens_per_s:>11.1f}"
-            f"{accept:>12}{speedup:>9.2f}"
-        )
+    plain = {r.batch_size: r.tokens_per_s for r in rows if r.system == PLAIN}
+    header = ["system", "batch", "new tok", "seconds", "tok/s", "accept len", "x plain"]
+    body = [
+        [
+            r.system,
+            str(r.batch_size),
+            str(r.new_tokens),
+            f"{r.seconds:.2f}",
+            f"{r.tokens_per_s:.1f}",
+            f"{r.accept_length:.2f}" if r.accept_length else "-",
+            f"{r.tokens_per_s / plain[r.batch_size]:.2f}",
+        ]
+        for r in rows
+    ]
+    return header, body

@@ -32,9 +32,28 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--json", action="store_true", help="print the full result (text, ids, meta) as JSON")
 
-    from specserve.bench import add_arguments
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: offline throughput beside HF generate (the default), or a server under load",
+        description="`specserve bench [offline] ...` or `specserve bench online ...`; "
+        "`specserve bench MODE --help` for a mode's flags.",
+    )
+    modes = bench.add_subparsers(dest="bench_mode", required=True)
+    from specserve.bench import add_arguments as add_offline_arguments
+    from specserve.bench_online import add_arguments as add_online_arguments
 
-    add_arguments(sub.add_parser("bench", help="offline throughput on MT-Bench prompts (JSON + table)"))
+    add_offline_arguments(
+        modes.add_parser(
+            "offline",
+            help="tok/s of plain and speculative engines (and --peer hf) per batch size: JSON, table, PNG",
+        )
+    )
+    add_online_arguments(
+        modes.add_parser(
+            "online",
+            help="TTFT / inter-token / end-to-end latency of a running server under bounded load: JSON, table",
+        )
+    )
 
     pull = sub.add_parser("pull", help="download named assets (models, data sets) into the cache")
     pull.add_argument("names", nargs="*", help="asset names, e.g. smollm2-135m-instruct mt-bench sharegpt")
@@ -78,18 +97,34 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_MODES = ("offline", "online")
+
+
+def _with_bench_mode(argv: list[str]) -> list[str]:
+    """`specserve bench --flags` means `specserve bench offline --flags` (the command before modes)."""
+    if argv[:1] == ["bench"] and not (argv[1:2] and argv[1] in (*BENCH_MODES, "-h", "--help")):
+        return ["bench", "offline", *argv[1:]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    typed = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(_with_bench_mode(typed))
+    args.argv = typed  # the command line as typed: what bench reports record
     if args.command == "serve":
         from specserve.serve.launch import run as run_serve
 
         return run_serve(args)
     if args.command == "generate":
         return _generate(args)
-    if args.command == "bench":
-        from specserve.bench import run
+    if args.command == "bench" and args.bench_mode == "online":
+        from specserve.bench_online import run as run_online
 
-        return run(args)
+        return run_online(args)
+    if args.command == "bench":
+        from specserve.bench import run as run_offline
+
+        return run_offline(args)
     from specserve.assets import main_pull
 
     return main_pull(args.names)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -76,33 +77,33 @@ def test_pull_unknown_asset_fails_cleanly(capsys):
     assert "no-such-asset" in capsys.readouterr().err
 
 
-def test_bench_writes_json_and_table(tiny_folder, tmp_path, capsys):
+def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
+    """The offline bench end to end on CPU: plain and n-gram engines over one load of the model, HF
+    generate beside them, two batch sizes; JSON rows for each, the table, and the PNG."""
     out = tmp_path / "bench.json"
-    code = main(
-        [
-            "bench",
-            "--model",
-            str(tiny_folder),
-            "--batch-sizes",
-            "1,3",
-            "--max-new-tokens",
-            "4",
-            "--device",
-            "cpu",
-            "--hf",
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0
+    argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--max-new-tokens", "4"]
+    argv += ["--device", "cpu", "--hf", "--spec", "ngram:3", "--out", str(out)]
+    assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["attention_backend"] == "torch"  # auto on the CPU
-    systems = {(r["system"], r["batch_size"]) for r in report["rows"]}
-    assert {
-        ("specserve", 1),
-        ("specserve", 3),
-        ("hf-generate", 3),
+    assert report["command"].startswith("specserve bench --model") and report["device"] == "cpu"
+    assert report["mode"] == "offline" and report["dtype"] == "float32" and report["gpu"] is None
+    assert report["systems"]["specserve-ngram-3"]["speculative"] == {"method": "ngram", "num_steps": 3}
+    rows = {(r["system"], r["batch_size"]): r for r in report["rows"]}
+    assert set(rows) == {
+        *((system, b) for system in ("specserve", "specserve-ngram-3", "hf-generate") for b in (1, 3)),
         ("hf-generate-prompt-lookup", 1),
-    } <= systems
-    assert all(r["tokens_per_s"] > 0 for r in report["rows"])
-    assert "tok/s" in capsys.readouterr().out
+    }
+    assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows.values())
+    assert rows[("specserve-ngram-3", 3)]["accept_length"] >= 1
+    assert rows[("specserve", 3)]["accept_length"] is None
+    printed = capsys.readouterr().out
+    assert "tok/s" in printed and "specserve-ngram-3" in printed
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys):
+    argv = ["bench", "--model", str(tiny_folder), "--spec", "ngram:4", "--speculative", "ngram"]
+    assert main([*argv, "--out", str(tmp_path / "b.json")]) == 2
+    assert "specserve-ngram-4 is configured twice" in capsys.readouterr().err

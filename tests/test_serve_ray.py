@@ -4,6 +4,7 @@ ingress deployment, engine replicas (TP=1 and TP=2 over gloo), autoscaling and b
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import socket
@@ -15,9 +16,11 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from specserve.bench_load import ENDPOINTS, Generation, LoadShape, run_load  # noqa: E402
 from specserve.serve.app import build_app  # noqa: E402
 
 from api_utils import exposed_families  # noqa: E402
+from tiny_models import save_tiny_llama3  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,12 +39,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     # Replicas report load every half second, so the autoscaling test sees load changes quickly.
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    # Replica logs stay in Ray's session folder (/tmp/ray/session_latest/logs/serve), not in pytest's output.
-    ray.init(num_cpus=16, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    # Ray puts the driver's working directory on every worker's sys.path; run from the repository root,
+    # that is the checkout, whose kernels/ folder would shadow the PyPI `kernels` transformers probes for
+    # (kernels/__init__.py refuses). Start Ray from an empty folder instead.
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray-cwd"))
+    try:
+        # Replica logs stay in Ray's session folder (/tmp/ray/session_latest/logs/serve), not in pytest's output.
+        ray.init(num_cpus=16, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    finally:
+        os.chdir(here)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
@@ -369,3 +380,46 @@ def test_metrics_and_models_endpoints(smollm2_apps):
     assert metrics.status_code == 200 and "specserve_" in metrics.text
     assert httpx.post(f"{url}/flush_cache", timeout=60).status_code == 200
     assert json.loads(httpx.get(f"{url}/health", timeout=60).text)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(smollm2_gguf, tmp_path_factory):
+    from specserve.model.tokenizer import load_tokenizer
+
+    return save_tiny_llama3(tmp_path_factory.mktemp("tiny") / "model", load_tokenizer(smollm2_gguf))
+
+
+def test_bounded_load_gets_an_answer_for_every_request(cluster, tiny_folder, mtbench_questions):
+    """Hardening: 500 streamed requests at concurrency 64 (`specserve bench online`'s load generator)
+    against queues far smaller than the load: every request completes or gets a clean 429 / 503,
+    none is lost, none is a 500, the run ends; afterwards no KV page is left referenced."""
+    _deploy(
+        "load",
+        "/load",
+        model=str(tiny_folder),
+        speculative=None,
+        max_running_requests=4,
+        max_queued_requests=4,  # the engine's waiting queue (429) and Serve's handle queue (503)
+    )
+    shape = LoadShape(num_requests=500, max_seconds=300, concurrency=64)
+    gen = Generation(max_new_tokens=4, ignore_eos=True)
+    result = asyncio.run(
+        run_load(
+            f"{cluster}/load", ENDPOINTS["generate"], mtbench_questions, shape, gen, request_timeout_s=120
+        )
+    )
+    counts = collections.Counter(r.outcome for r in result.records)
+    failed = [
+        (r.outcome, r.status, r.error)
+        for r in result.records
+        if r.outcome not in ("ok", "http_429", "http_503")
+    ]
+    assert result.not_sent == 0 and len(result.records) == 500
+    assert counts["ok"] + counts["http_429"] + counts["http_503"] == 500, (counts, failed[:5])
+    assert counts["ok"] > 0 and counts["http_429"] + counts["http_503"] > 0, counts  # the queues did overflow
+    assert all(r.output_tokens == 4 for r in result.records if r.outcome == "ok")
+    print(f"500 requests at concurrency 64: {dict(counts)} in {result.duration_s:.1f} s")
+    handle = serve.get_deployment_handle(ENGINE, app_name="load")
+    assert handle.health.remote().result(timeout_s=60)["num_running"] == 0
+    _kv_clean("load")
+    serve.delete("load")

@@ -6,11 +6,13 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
+
+if TYPE_CHECKING:
+    # pydantic only when serving: `specserve bench` builds this parser too, on machines without it.
+    from pydantic import ValidationError
 
 APP_NAME = "specserve"
 
@@ -57,6 +59,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from specserve.serve.config import ServeConfig
 
     try:

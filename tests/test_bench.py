@@ -1,0 +1,100 @@
+"""The offline bench's parts without a model: prompt sets, `--spec` parsing, the table, the plot, the
+run info; `tests/test_cli.py` runs the whole offline bench on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from specserve.bench_data import cycle, mtbench_texts, select_texts, sharegpt_texts
+from specserve.bench_plot import plot_throughput
+from specserve.bench_report import format_table, run_info
+from specserve.cli import _with_bench_mode
+from specserve.cli_spec_args import parse_spec, spec_name
+
+
+def test_mtbench_first_turns_in_file_order(mtbench_questions):
+    from specserve.assets import dataset_path
+
+    texts = mtbench_texts(dataset_path("mt-bench"))
+    assert texts == mtbench_questions and len(texts) == 80
+    assert select_texts(texts, shuffle=False) == [t for t in texts if len(t) <= 4000]
+
+
+def test_sharegpt_first_human_turns_filtered_and_shuffled_by_seed(tmp_path):
+    conversations = [
+        {"id": "a", "conversations": [{"from": "human", "value": " What is KV cache? "}, {"from": "gpt"}]},
+        {
+            "id": "b",
+            "conversations": [{"from": "gpt", "value": "Hi"}, {"from": "human", "value": "Explain TP."}],
+        },
+        {"id": "c", "conversations": []},
+        {"id": "d", "conversations": [{"from": "human", "value": "hi"}]},  # too short to measure anything
+        {"id": "e", "conversations": [{"from": "human", "value": "x" * 5000}]},  # too long
+    ] + [
+        {"id": f"n{i}", "conversations": [{"from": "human", "value": f"Question number {i}"}]}
+        for i in range(20)
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    texts = sharegpt_texts(path)
+    assert texts[:2] == ["What is KV cache?", "Explain TP."] and len(texts) == 24
+    picked = select_texts(texts, shuffle=True, seed=0)
+    assert sorted(picked) == sorted(t for t in texts if 4 <= len(t) <= 4000)
+    assert picked == select_texts(texts, shuffle=True, seed=0)  # deterministic
+    assert picked != select_texts(texts, shuffle=True, seed=1)
+    assert select_texts(texts, shuffle=False, max_chars=12) == ["Explain TP."]
+
+
+def test_cycle_wraps_and_refuses_nothing():
+    assert cycle(["a", "b"], 5) == ["a", "b", "a", "b", "a"]
+    with pytest.raises(ValueError, match="no prompts"):
+        cycle([], 3)
+
+
+def test_spec_parsing():
+    assert parse_spec("ngram") == {"method": "ngram", "num_steps": 4}
+    assert parse_spec("ngram:2") == {"method": "ngram", "num_steps": 2}
+    assert parse_spec("eagle3:5:heads/a:b") == {
+        "method": "eagle3",
+        "num_steps": 5,
+        "draft_model": "heads/a:b",
+    }
+    assert spec_name(parse_spec("mtp:3:h")) == "specserve-mtp-3" and spec_name(None) == "specserve"
+    for bad, why in [("magic:4", "method"), ("ngram:x", "NUM_STEPS"), ("eagle3:5", "draft_model")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_spec(bad)
+
+
+def test_bench_without_a_mode_is_offline():
+    assert _with_bench_mode(["bench", "--hf"]) == ["bench", "offline", "--hf"]
+    assert _with_bench_mode(["bench"]) == ["bench", "offline"]
+    for kept in (["bench", "online", "--url", "x"], ["bench", "--help"], ["generate", "--prompt", "x"]):
+        assert _with_bench_mode(kept) == kept
+
+
+def test_table_aligns_columns():
+    table = format_table(["system", "tok/s"], [["specserve", "10.0"], ["hf", "9.5"]]).splitlines()
+    assert table == ["system     tok/s", "specserve   10.0", "hf           9.5"]
+
+
+def test_run_info_records_the_command_line():
+    info = run_info(["bench", "--dataset", "mt-bench", "--spec", "eagle3:5:a b"])
+    assert info["command"] == "specserve bench --dataset mt-bench --spec 'eagle3:5:a b'"
+    assert {"commit", "started_at", "python", "torch"} <= info.keys()
+
+
+def test_plot_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # the import fails as if not installed
+    assert not plot_throughput([("specserve", 1, 10.0)], tmp_path / "p.png", "t")
+    assert "matplotlib" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    points = [("specserve", 1, 10.0), ("specserve", 16, 120.0), ("hf-generate-prompt-lookup", 1, 12.0)]
+    assert plot_throughput(points, tmp_path / "sub" / "p.png", "title")
+    assert (tmp_path / "sub" / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
