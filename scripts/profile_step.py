@@ -35,8 +35,10 @@ rows = []
 last = None
 for backend in os.environ.get("PROFILE_BACKENDS", "torch,triton").split(","):
     for graphs in os.environ.get("PROFILE_GRAPHS", "0").split(","):
-        extra = {"cuda_graphs": graphs == "1"} if graphs == "1" else {}
-        llm = LLM("smollm2-135m-instruct", attention_backend=backend, **extra)
+        graphed = graphs == "1" and backend != "torch"
+        llm = LLM(
+            "smollm2-135m-instruct", attention_backend=backend, cuda_graphs=graphed, max_total_tokens=65536
+        )
         prompt = llm._chat_ids([{"role": "user", "content": "Tell me a story about a dragon."}])
         llm.generate([prompt], SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True))
         for bs in (1, 64):

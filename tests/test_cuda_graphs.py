@@ -152,7 +152,8 @@ def test_smollm2_graphs_equal_eager_on_gpu(smollm2_gguf, mtbench_questions):
     """Captured graphs replayed at batch 1..16 (and past the largest bucket, eager) equal eager steps,
     in fp32 (bitwise-equal tokens expected; logprobs within 1e-4) with and without n-gram drafts."""
     loaded = load_model(str(smollm2_gguf), torch.device("cuda"), torch.float32)
-    eager = LLM(loaded, dtype="float32", cuda_graphs=False)
+    pool = {"max_total_tokens": 16384}  # several engines share the GPU
+    eager = LLM(loaded, dtype="float32", cuda_graphs=False, **pool)
     prompts = [eager._chat_ids([{"role": "user", "content": q}]) for q in mtbench_questions[:20]]
     params = [
         SamplingParams(max_new_tokens=16 + 4 * i, temperature=0.0, ignore_eos=True, return_logprob=True)
