@@ -160,9 +160,8 @@ def test_smollm2_graphs_equal_eager_on_gpu(smollm2_gguf, mtbench_questions):
         for i in range(len(prompts))
     ]
     for spec in (None, {"method": "ngram", "num_steps": 4}):
-        reference = LLM(loaded, dtype="float32", cuda_graphs=False, speculative=spec).generate(
-            prompts, params
-        )
-        graphed = LLM(loaded, dtype="float32", cuda_graph_max_batch=16, speculative=spec)
+        reference = LLM(loaded, dtype="float32", cuda_graphs=False, speculative=spec, **pool)
+        reference = reference.generate(prompts, params)
+        graphed = LLM(loaded, dtype="float32", cuda_graph_max_batch=16, speculative=spec, **pool)
         assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.captured
         _assert_same(graphed.generate(prompts, params), reference)
