@@ -1,9 +1,11 @@
-"""Launch overhead, per-step time at batch 1 and 64 for each attention backend, where a decode step's
-host time goes (engine phases), and a torch.profiler table of a few batch-1 decode steps (GPU).
+"""Where a decode step's time goes on the GPU: per-step time at batch 1 and 64 with CUDA graphs off and
+on, the host phases of a step (engine StepStats), the pure replay time of a graph bucket (the GPU
+floor), and a torch.profiler table of a few batch-1 steps.
 
-Environment: PROFILE_BACKENDS (default "torch,triton"), PROFILE_GRAPHS ("0,1": CUDA graphs off/on).
+Environment: PROFILE_GRAPHS ("0,1": CUDA graphs off/on), PROFILE_TOKENS (new tokens, default 256).
 """
 
+import json
 import os
 import time
 
@@ -11,45 +13,72 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specserve import LLM, SamplingParams
+from specserve.assets import dataset_path
+from specserve.model.loader import load_model
 
-x = torch.zeros(16, device="cuda")
-for _ in range(100):
-    x.add_(1)
-torch.cuda.synchronize()
-t = time.perf_counter()
-for _ in range(5000):
-    x.add_(1)
-torch.cuda.synchronize()
-print(f"launch overhead: {(time.perf_counter() - t) / 5000 * 1e6:.1f} us per tiny kernel")
+TOKENS = int(os.environ.get("PROFILE_TOKENS", "256"))
 
 
-def per_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int = 128) -> float:
+class PhaseTotals:
+    """A StatsSink summing each step phase's host seconds."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+
+    def record_step(self, stats) -> None:
+        if "step" in stats.phases:
+            self.steps += 1
+            for name, seconds in stats.phases.items():
+                self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+
+def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict[str, float]]:
+    sink = PhaseTotals()
+    llm.engine.attach_stats_sink(sink)
+    llm.engine.flush_cache()
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    llm.generate([prompt] * batch, SamplingParams(max_new_tokens=steps, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True))
     torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps * 1e3
+    seconds = time.perf_counter() - start
+    llm.engine.stats_sink = None
+    return seconds, {k: v / sink.steps * 1e3 for k, v in sink.totals.items()}
 
 
+def replay_us(llm: LLM, bucket: tuple[int, int], n: int = 200) -> float:
+    graph = llm.engine.runner.graphs.graphs[bucket].graph
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+questions = [
+    json.loads(line)["turns"][0] for line in dataset_path("mt-bench").read_text().splitlines() if line
+]
+loaded = load_model("smollm2-135m-instruct", torch.device("cuda"), torch.bfloat16)
 rows = []
-last = None
-for backend in os.environ.get("PROFILE_BACKENDS", "torch,triton").split(","):
-    for graphs in os.environ.get("PROFILE_GRAPHS", "0").split(","):
-        graphed = graphs == "1" and backend != "torch"
-        llm = LLM(
-            "smollm2-135m-instruct", attention_backend=backend, cuda_graphs=graphed, max_total_tokens=65536
-        )
-        prompt = llm._chat_ids([{"role": "user", "content": "Tell me a story about a dragon."}])
-        llm.generate([prompt], SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True))
-        for bs in (1, 64):
-            rows.append((backend, graphs, bs, per_step_ms(llm, prompt, bs)))
-        last = (llm, prompt)
-        del llm
-print(f"{'backend':<10}{'graphs':>7}{'batch':>7}{'ms/step':>10}{'tok/s':>10}")
-for backend, graphs, bs, ms in rows:
-    print(f"{backend:<10}{graphs:>7}{bs:>7}{ms:>10.2f}{bs / ms * 1e3:>10.0f}")
-
-llm, prompt = last
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    llm.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=48))
+graphed_llm = None
+for graphs in os.environ.get("PROFILE_GRAPHS", "0,1").split(","):
+    llm = LLM(loaded, cuda_graphs=graphs == "1", max_total_tokens=64 * 1500, max_batched_tokens=8192)
+    prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions[:64]]
+    llm.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    for bs in (1, 64):
+        seconds, phases = timed(llm, prompts[:bs])
+        rows.append((graphs, bs, seconds, phases))
+    if graphs == "1":
+        graphed_llm = llm
+print(f"{'graphs':>7}{'batch':>7}{'tok/s':>10}  host ms per step by phase")
+for graphs, bs, seconds, phases in rows:
+    shown = " ".join(f"{k}={v:.3f}" for k, v in sorted(phases.items()))
+    print(f"{graphs:>7}{bs:>7}{bs * TOKENS / seconds:>10.0f}  {shown}")
+if graphed_llm is not None:
+    for bucket in ((1, 1), (8, 1), (64, 1)):
+        print(f"graph replay {bucket}: {replay_us(graphed_llm, bucket):.1f} us (GPU floor of a step)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        graphed_llm.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
