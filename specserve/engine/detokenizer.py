@@ -14,15 +14,64 @@ For byte-level BPE tokenizers (GPT-2, Llama-3, SmolLM2, Qwen) the concatenated o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
 
 _PROMPT_CONTEXT = 5  # prompt ids decoded ahead of the output, for context
 _INCOMPLETE = "\ufffd"
 
 
+Decoder = Callable[[Sequence[int], bool], str]
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder(tokenizer) -> Decoder:
+    """`decode(ids, skip_special_tokens)` for a tokenizer, without cleanup of tokenization spaces.
+
+    Two decodes per output token per request add up at large batch, and most of an HF decode's time
+    is its Python wrapper: where the tokenizer is backed by a `tokenizers.Tokenizer` that decodes a
+    probe identically, that backend is called directly (checked once per tokenizer)."""
+    try:
+        return _DECODERS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decode = _backend_decoder(tokenizer) or _hf_decoder(tokenizer)
+    with contextlib.suppress(TypeError):  # not weakly referenceable: decide again next time
+        _DECODERS[tokenizer] = decode
+    return decode
+
+
+def _hf_decoder(tokenizer) -> Decoder:
+    def decode(ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    return decode
+
+
+def _backend_decoder(tokenizer) -> Decoder | None:
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    vocab = len(tokenizer)
+    special = list(getattr(tokenizer, "all_special_ids", []) or [])
+    probe = [*range(min(vocab, 512)), *special, *range(max(0, vocab - 64), vocab)]
+    reference = _hf_decoder(tokenizer)
+    for skip in (True, False):
+        for chunk in (probe, probe[5:37], special[:1] + probe[100:110]):
+            try:
+                if backend.decode(chunk, skip_special_tokens=skip) != reference(chunk, skip):
+                    return None
+            except Exception:  # a backend that cannot decode what HF can: keep HF's
+                return None
+    return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._decoder = decoder(tokenizer)
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         if self._decode(self._ids).endswith(_INCOMPLETE):
@@ -65,9 +114,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False
-        )
+        return self._decoder(ids, self._skip_special)
 
 
 class StopMatcher:

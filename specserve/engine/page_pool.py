@@ -53,7 +53,8 @@ class PagePool:
         while len(self._free) < n:
             self.evict_oldest()
         pages = [self._free.popleft() for _ in range(n)]
-        self.refcount[pages] = 1
+        for page in pages:  # one or a few pages per call: item assignment beats fancy indexing
+            self.refcount[page] = 1
         return pages
 
     def retain(self, pages: Iterable[int]) -> None:

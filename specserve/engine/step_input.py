@@ -185,16 +185,20 @@ def _batch_tensors(
     """Ids, positions and the attention layout of requests computing `query_lens` tokens from
     `starts` on, copied to the device in one transfer together with the caller's `extra` int arrays;
     last, the flat buffer they all view. `pad` (batch, query len): pad to that CUDA-graph bucket."""
-    ctx = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, query_lens, strict=True)]
-    slots = [
-        np.asarray(r.pages, dtype=np.int64)[c // page_size] * page_size + c % page_size
-        for r, c in zip(requests, ctx, strict=True)
-    ]
+    # Plain lists: a decode step has one token per request, where per-request numpy calls cost more
+    # than the arithmetic.
+    positions: list[int] = []
+    slots: list[int] = []
+    for req, start, n in zip(requests, starts, query_lens, strict=True):
+        pages = req.pages
+        for p in range(start, start + n):
+            positions.append(p)
+            slots.append(pages[p // page_size] * page_size + p % page_size)
     seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
     query_start = np.concatenate([[0], np.cumsum(query_lens)])
     table = _page_table(requests, seq_lens, page_size)
     max_query_len = max(query_lens)
-    token_arrays = [np.asarray(ids, dtype=np.int64), np.concatenate(ctx), np.concatenate(slots)]
+    token_arrays = [np.asarray(a, dtype=np.int64) for a in (ids, positions, slots)]
     if pad is not None:
         batch, max_query_len = pad
         tokens = batch * max_query_len
