@@ -52,11 +52,14 @@ class AttentionContext(ABC):
     Two optional fusions, off by default (the model then runs its plain modules): a backend that
     applies RoPE inside its KV write sets `fuses_rotary`, and the model calls `attend_rotary` with
     the unrotated q/k; a backend that sets `add_rms_norm` has the decoder carry its residual stream
-    as (x, residual) and run each residual add + RMSNorm through that function.
+    as (x, residual) and run each residual add + RMSNorm through that function (and the MLP's
+    activation through `silu_mul`, when set).
     """
 
     fuses_rotary: bool = False
     add_rms_norm: AddRMSNorm | None = None
+    # gate_up [T, 2I] -> silu(gate) * up [T, I], for the MLPs of layers run with `add_rms_norm`.
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

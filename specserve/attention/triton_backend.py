@@ -4,7 +4,7 @@ Per layer it makes two launches (three when the keys are split for a small batch
 with the KV write (`specserve_kernels.rope_store`), then paged attention straight over the cache
 pages (`specserve_kernels.paged_attention`: prefill, decode and verify, causal or a tree mask). It
 also hands the decoder the fused residual-add + RMSNorm (`specserve_kernels.rms_norm`), so each
-layer's two norms are one launch each too.
+layer's two norms are one launch each too, and the MLP's fused silu(gate) * up (`specserve_kernels.silu_mul`).
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
@@ -27,6 +27,7 @@ from specserve_kernels import use_triton
 from specserve_kernels.paged_attention import num_splits, paged_attention, paged_attention_ref
 from specserve_kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from specserve_kernels.rope_store import rope_kv_store, rope_kv_store_ref
+from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 
 if TYPE_CHECKING:
     from specserve.model.layers import RotaryEmbedding
@@ -49,6 +50,7 @@ class TritonAttentionContext(AttentionContext):
         self.attention = paged_attention if kernels else paged_attention_ref
         if fused_norm:
             self.add_rms_norm = add_rms_norm if kernels else add_rms_norm_ref
+            self.silu_mul = silu_mul if kernels else silu_mul_ref
         self.splits = splits  # None: chosen at the first layer, once the head counts are known
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

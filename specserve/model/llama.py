@@ -6,7 +6,7 @@ The model knows nothing about pages or batches: each layer hands its rotated q/k
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -70,8 +70,14 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = gate_up_projection(hidden, intermediate, rows, tp)
         self.down_proj = row_projection(rows, intermediate, hidden, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(
+        self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """`silu_mul`: a fused activation over the stacked gate/up output (a backend's kernel)."""
+        gate_up = self.gate_up_proj(x)
+        if silu_mul is not None:
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -106,7 +112,7 @@ class DecoderLayer(nn.Module):
         h, residual = ctx.add_rms_norm(x, residual, norm1.weight, norm1.eps)
         x = self.self_attn(h, positions, rope, ctx)
         h, residual = ctx.add_rms_norm(x, residual, norm2.weight, norm2.eps)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx.silu_mul), residual
 
 
 class LlamaModel(nn.Module):
