@@ -18,10 +18,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 [ -n "${PROFILE:-}" ] && python3 -P scripts/profile_step.py 2>&1 | tee "$OUT/profile.log"
 [ -z "${SKIP_GPU_TESTS:-}" ] && python3 -P -m pytest -m gpu -s -q -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log"
 # The Triton kernels natively (and the CUDA graphs against eager steps), against their torch references on fresh random inputs; the Triton
-# attention backend against the torch one (tiny model and SmolLM2); then the kernel micro-benchmarks.
+# attention backend against the torch one (tiny model and SmolLM2), the optional flash backend against it
+# (skipped with the reason where vllm-flash-attn does not import); then the kernel micro-benchmarks.
 if [ -z "${SKIP_KERNELS:-}" ]; then
   # KERNEL_TESTS narrows the set (e.g. to tests/test_cuda_graphs.py); SKIP_KERNEL_BENCH skips the micro-benchmarks.
-  python3 -P -m pytest -q -s -p no:cacheprovider ${KERNEL_TESTS:-tests/test_kernel_*.py tests/test_triton_backend.py tests/test_cuda_graphs.py} \
+  python3 -P -m pytest -q -s -p no:cacheprovider ${KERNEL_TESTS:-tests/test_kernel_*.py tests/test_triton_backend.py tests/test_flash_backend.py tests/test_cuda_graphs.py} \
     --ignore=tests/test_kernel_bench.py 2>&1 | tee "$OUT/kernel_tests.log"
   [ -z "${SKIP_KERNEL_BENCH:-}" ] && python3 -P -m pytest -q -s -p no:cacheprovider -m gpu tests/test_kernel_bench.py 2>&1 | tee "$OUT/kernel_bench.log"
 fi

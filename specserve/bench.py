@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention-backend",
         default="auto",
         choices=ATTENTION_BACKENDS,
-        help="auto (Triton kernels on CUDA, torch on the CPU), torch or triton",
+        help="auto (Triton kernels on CUDA, torch on the CPU), torch, triton or flash (vllm-flash-attn "
+        "where it imports; needs --page-size a multiple of 16)",
     )
     parser.add_argument(
         "--max-total-tokens",
@@ -90,14 +91,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.config import EngineConfig
+    from specserve.config import CacheConfig, EngineConfig
+    from specserve.engine.engine import attention_backend
     from specserve.model.loader import load_model
     from specserve.model.tokenizer import chat_prompt_ids
 
     try:
         specs = _specs(args)
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-        where = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
+        where = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            cache=CacheConfig(page_size=args.page_size),
+        )
+        attention_backend(where)  # before the model loads: e.g. "flash" where it does not import
     except ValueError as err:
         print(f"specserve bench: error: {err}", file=sys.stderr)
         return 2

@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# "auto": triton on CUDA, torch on the CPU
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# "auto": triton on CUDA, torch on the CPU; "flash": vllm-flash-attn, only when asked for and it
+# imports against the installed torch (specserve/attention/flash_backend.py); never picked by "auto".
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+# vllm-flash-attn's paged KV: "Paged KV cache block size must be divisible by 16" (its 2.6 kernels).
+FLASH_PAGE_MULTIPLE = 16
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -124,7 +127,8 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     attention_backend: str = "auto"
-    # CUDA graphs of decode and verify steps (None: on with the Triton backend on CUDA at TP size 1;
+    # CUDA graphs of decode and verify steps (None: on with the Triton backend on CUDA at TP size 1,
+    # never with "flash", whose capture is unverified;
     # True on the CPU runs the same padded static-buffer path without capture, which tests use).
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64  # the largest batch bucket captured
@@ -155,7 +159,7 @@ class EngineConfig:
         )
         _require(self.cuda_graphs in (None, True, False), "cuda_graphs", "must be null, true or false")
         _require(
-            self.cuda_graphs is not True or self.attention_backend != "torch",
+            self.cuda_graphs is not True or self.attention_backend in ("auto", "triton"),
             "cuda_graphs",
             "needs the triton attention backend (attention_backend 'auto' or 'triton')",
         )
@@ -170,6 +174,12 @@ class EngineConfig:
             "must be an integer >= 1",
         )
         self.cache.validate()
+        _require(
+            self.attention_backend != "flash" or self.cache.page_size % FLASH_PAGE_MULTIPLE == 0,
+            "page_size",
+            f"must be a multiple of {FLASH_PAGE_MULTIPLE} with attention_backend 'flash' "
+            f"(vllm-flash-attn's paged KV block size), got {self.cache.page_size}",
+        )
         self.scheduler.validate()
         if self.speculative is not None:
             self.speculative.validate()

@@ -21,7 +21,8 @@ class LLM:
     `model` is an asset name (default `smollm2-135m-instruct`), a `.gguf` file or an HF folder, or a
     `LoadedModel` another LLM already holds (engines then share the weights).
     `device`/`dtype` default to the GPU in bf16 when there is one, else the CPU in fp32.
-    `attention_backend`: "auto" (Triton kernels on CUDA, plain torch on the CPU), "torch" or "triton".
+    `attention_backend`: "auto" (Triton kernels on CUDA, plain torch on the CPU), "torch", "triton" or
+    "flash" (vllm-flash-attn where it imports; CUDA, fp16/bf16, `page_size` a multiple of 16).
     `cuda_graphs`: decode and verify steps replay CUDA graphs captured per batch bucket up to
     `cuda_graph_max_batch` (default: on with the Triton backend on CUDA).
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -54,3 +55,44 @@ def hf_last_logits(model, prompt: Sequence[int]) -> torch.Tensor:
 
 def max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def assert_same_outputs(ours, reference, tol: float = 1e-4) -> None:
+    """The same tokens, and each output token's logprob within `tol` (outputs made with `return_logprob`)."""
+    assert [o.token_ids for o in ours] == [r.token_ids for r in reference]
+    for o, r in zip(ours, reference, strict=True):
+        mine = [entry[0] for entry in o.meta["output_token_logprobs"]]
+        theirs = [entry[0] for entry in r.meta["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) <= tol
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How two engines agree on the same prompts: greedy outputs identical, first tokens equal (of
+    `total`), and the largest absolute and relative difference of their last-position logits."""
+
+    identical: int
+    first: int
+    total: int
+    max_abs: float
+    max_rel: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.identical}/{self.total} greedy outputs identical, first tokens {self.first}/{self.total}, "
+            f"max abs logit diff {self.max_abs:.4g}, max rel {self.max_rel:.3g}"
+        )
+
+
+def agreement(ours, reference, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64) -> Agreement:
+    """`ours` against `reference` (two `LLM`s): last logits of the prompts, then greedy continuations."""
+    mine, theirs = (last_logits(llm.engine, prompts).float() for llm in (ours, reference))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    a, b = ([o.token_ids for o in llm.generate(prompts, params)] for llm in (ours, reference))
+    return Agreement(
+        identical=sum(x == y for x, y in zip(a, b, strict=True)),
+        first=sum(x[0] == y[0] for x, y in zip(a, b, strict=True)),
+        total=len(prompts),
+        max_abs=(mine - theirs).abs().max().item(),
+        max_rel=max_rel_error(mine, theirs),
+    )

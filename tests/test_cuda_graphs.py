@@ -21,6 +21,7 @@ from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
 
+from engine_utils import assert_same_outputs
 from tiny_models import save_tiny_llama3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,14 +75,6 @@ def _params(count: int) -> list[SamplingParams]:
     ]
 
 
-def _assert_same(ours, reference) -> None:
-    assert [o.token_ids for o in ours] == [r.token_ids for r in reference]
-    for o, r in zip(ours, reference, strict=True):
-        a = [e[0] for e in o.meta["output_token_logprobs"]]
-        b = [e[0] for e in r.meta["output_token_logprobs"]]
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
-
-
 def test_buckets():
     buckets = GraphBuckets.for_engine(max_batch=40, max_draft=4)
     assert buckets.batch_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
@@ -125,7 +118,7 @@ def test_graphed_steps_equal_eager(target, graphed_runs, page_size, speculative)
     reference = _llm(target, False, page_size, speculative=speculative).generate(prompts, _params(5))
     assert not graphed_runs
     llm = _llm(target, True, page_size, speculative=speculative)
-    _assert_same(llm.generate(prompts, _params(5)), reference)
+    assert_same_outputs(llm.generate(prompts, _params(5)), reference)
     assert len({b for b, _ in graphed_runs}) >= 2  # several batch buckets, with pad requests
     if speculative:  # verify steps ran in the (batch, num_steps + 1) graphs, and drafts were accepted
         assert 4 in {q for _, q in graphed_runs}
@@ -140,7 +133,7 @@ def test_hidden_state_drafter_reads_graphed_features(target, graphed_runs, tmp_p
     prompts = _prompts(3, seed=1)
     reference = _llm(target, False, speculative=spec).generate(prompts, _params(3))
     outs = _llm(target, True, speculative=spec).generate(prompts, _params(3))
-    _assert_same(outs, reference)
+    assert_same_outputs(outs, reference)
     assert [o.meta["spec_accepted_tokens"] for o in outs] == [
         r.meta["spec_accepted_tokens"] for r in reference
     ]
@@ -164,4 +157,4 @@ def test_smollm2_graphs_equal_eager_on_gpu(smollm2_gguf, mtbench_questions):
         reference = reference.generate(prompts, params)
         graphed = LLM(loaded, dtype="float32", cuda_graph_max_batch=16, speculative=spec, **pool)
         assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.captured
-        _assert_same(graphed.generate(prompts, params), reference)
+        assert_same_outputs(graphed.generate(prompts, params), reference)

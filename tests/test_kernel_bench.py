@@ -16,6 +16,7 @@ import torch
 from test_kernel_paged_attention import make_case
 
 from specserve import SamplingParams
+from specserve.attention.flash_backend import FlashAttentionBackend, flash_available
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig
@@ -70,11 +71,9 @@ def _arch() -> ModelArch:
     )
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("query_len", [1, 5], ids=["decode", "verify5"])
-@pytest.mark.parametrize(("batch", "context"), SHAPES)
-def test_bench_attention_layer(batch, context, query_len, page_size):
-    """One layer's attention as each backend runs it: RoPE + KV write + paged attention."""
+def _layer_timings(backends, batch: int, context: int, query_len: int, page_size: int) -> dict:
+    """Microseconds (eager, graph) of one layer's `attend_rotary` (RoPE + KV write + paged attention)
+    per backend name, over the same cache and inputs."""
     case = make_case(
         [context - query_len] * batch, [query_len] * batch, HEADS, KV_HEADS, DIM, page_size, DTYPE
     )
@@ -87,12 +86,42 @@ def test_bench_attention_layer(batch, context, query_len, page_size):
     positions = (case.batch.seq_lens - query_len).repeat_interleave(query_len) + torch.arange(
         query_len, device="cuda"
     ).repeat(batch)
-    results = []
-    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+    figures = {}
+    for backend in backends:
         ctx = backend.prepare(case.batch, kv)
-        results.append(_us(lambda ctx=ctx: ctx.attend_rotary(0, q, k, v, positions, rope)))
-    splits = num_splits(batch, query_len, context, KV_HEADS, HEADS // KV_HEADS, q.device)
-    _row(f"attention B={batch} ctx={context} q={query_len} page={page_size} splits={splits}", *results)
+        figures[backend.name] = _us(lambda ctx=ctx: ctx.attend_rotary(0, q, k, v, positions, rope))
+    return figures
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("query_len", [1, 5], ids=["decode", "verify5"])
+@pytest.mark.parametrize(("batch", "context"), SHAPES)
+def test_bench_attention_layer(batch, context, query_len, page_size):
+    """One layer's attention as each backend runs it: RoPE + KV write + paged attention."""
+    figures = _layer_timings(
+        (TritonAttentionBackend(), TorchAttentionBackend()), batch, context, query_len, page_size
+    )
+    splits = num_splits(batch, query_len, context, KV_HEADS, HEADS // KV_HEADS, torch.device("cuda"))
+    name = f"attention B={batch} ctx={context} q={query_len} page={page_size} splits={splits}"
+    _row(name, figures["triton"], figures["torch"])
+
+
+@pytest.mark.parametrize("query_len", [1, 5], ids=["decode", "verify5"])
+@pytest.mark.parametrize(("batch", "context"), SHAPES)
+def test_bench_flash_attention_layer(batch, context, query_len):
+    """The same layer through the optional vllm-flash-attn backend against ours (page 16); skipped with
+    the reason when the library does not import against this torch."""
+    ok, why = flash_available()
+    if not ok:
+        pytest.skip(why)
+    figures = _layer_timings(
+        (FlashAttentionBackend(), TritonAttentionBackend()), batch, context, query_len, 16
+    )
+    flash, ours = figures["flash"], figures["triton"]
+    print(
+        f"attention B={batch} ctx={context} q={query_len} page=16: flash ({why}) eager {flash[0]:8.1f} "
+        f"graph {flash[1]:8.1f} | triton eager {ours[0]:8.1f} graph {ours[1]:8.1f} us"
+    )
 
 
 @pytest.mark.parametrize(("batch", "context"), SHAPES)

@@ -22,7 +22,7 @@ from specserve.engine.step_input import build_step_input
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
 
-from engine_utils import last_logits, max_rel_error
+from engine_utils import agreement, assert_same_outputs, last_logits, max_rel_error
 from tiny_models import save_tiny_llama3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,16 +79,6 @@ def _params(new_tokens: int = NEW_TOKENS) -> SamplingParams:
     return SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, return_logprob=True)
 
 
-def _logprobs(out) -> list[float]:
-    return [entry[0] for entry in out.meta["output_token_logprobs"]]
-
-
-def _assert_same_outputs(ours, reference) -> None:
-    assert [o.token_ids for o in ours] == [r.token_ids for r in reference]
-    for o, r in zip(ours, reference, strict=True):
-        assert max(abs(a - b) for a, b in zip(_logprobs(o), _logprobs(r), strict=True)) <= 1e-4
-
-
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_matches_torch_backend(target, triton_cpu, page_size):
     reference_llm = _llm(target, "torch", page_size)
@@ -97,11 +87,11 @@ def test_engine_matches_torch_backend(target, triton_cpu, page_size):
     assert isinstance(llm.engine.backend, TritonAttentionBackend)
     rel = max_rel_error(last_logits(llm.engine, PROMPTS), last_logits(reference_llm.engine, PROMPTS))
     assert rel <= 1e-4
-    _assert_same_outputs(llm.generate(PROMPTS, _params()), reference)
+    assert_same_outputs(llm.generate(PROMPTS, _params()), reference)
     # Again: the prompts' full pages now come from the prefix cache, the rest is prefilled after them.
     again = llm.generate(PROMPTS, _params())
     assert all(o.meta["cached_tokens"] > 0 for o in again)
-    _assert_same_outputs(again, reference)
+    assert_same_outputs(again, reference)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -111,7 +101,7 @@ def test_speculative_verify_matches_torch_backend(small_target, triton_cpu, page
     reference = _llm(small_target, "torch", page_size).generate(SMALL_PROMPTS, params)
     spec = {"method": "ngram", "num_steps": 3}
     outs = _llm(small_target, "triton", page_size, speculative=spec).generate(SMALL_PROMPTS, params)
-    _assert_same_outputs(outs, reference)
+    assert_same_outputs(outs, reference)
     assert sum(o.meta["spec_draft_tokens"] for o in outs) >= 6
     assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
 
@@ -122,7 +112,7 @@ def test_references_serve_without_the_interpreter(tiny_llama, monkeypatch):
     monkeypatch.delenv("SPECSERVE_TRITON_CPU", raising=False)
     reference = _llm(tiny_llama, "torch", 4).generate(PROMPTS, _params())
     llm = _llm(tiny_llama, "triton", 4, speculative="ngram")
-    _assert_same_outputs(llm.generate(PROMPTS, _params()), reference)
+    assert_same_outputs(llm.generate(PROMPTS, _params()), reference)
 
 
 def test_fused_forward_keeps_hidden_and_captured_streams(target, triton_cpu):
@@ -150,7 +140,7 @@ def test_fused_forward_keeps_hidden_and_captured_streams(target, triton_cpu):
 def test_auto_backend_is_torch_on_cpu_and_names_are_checked(tiny_llama):
     assert _llm(tiny_llama, "auto", 1).engine.backend.name == "torch"
     with pytest.raises(ValueError, match="attention_backend"):
-        EngineConfig(attention_backend="flash")
+        EngineConfig(attention_backend="flashinfer")
 
 
 @pytest.mark.gpu
@@ -165,18 +155,9 @@ def test_smollm2_triton_vs_torch_backend_on_gpu(smollm2_gguf, mtbench_questions,
         for backend in ("torch", "triton")
     }
     prompts = [llms["torch"]._chat_ids([{"role": "user", "content": q}]) for q in mtbench_questions[:8]]
-    logits = {b: last_logits(llm.engine, prompts).float() for b, llm in llms.items()}
-    params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
-    outs = {b: [o.token_ids for o in llm.generate(prompts, params)] for b, llm in llms.items()}
-    identical = sum(a == b for a, b in zip(outs["torch"], outs["triton"], strict=True))
-    first = sum(a[0] == b[0] for a, b in zip(outs["torch"], outs["triton"], strict=True))
-    rel = max_rel_error(logits["triton"], logits["torch"])
-    print(
-        f"\nSmolLM2 {name} triton vs torch backend: {identical}/{len(prompts)} greedy outputs identical, "
-        f"first tokens {first}/{len(prompts)}, max abs logit diff "
-        f"{(logits['triton'] - logits['torch']).abs().max().item():.4g}, max rel {rel:.3g}"
-    )
+    agree = agreement(llms["triton"], llms["torch"], prompts)
+    print(f"\nSmolLM2 {name} triton vs torch backend: {agree}")
     if dtype == torch.float32:
-        assert rel <= 1e-4 and identical == len(prompts)
+        assert agree.max_rel <= 1e-4 and agree.identical == agree.total
     else:
-        assert first >= len(prompts) - 1 and rel < 0.05
+        assert agree.first >= agree.total - 1 and agree.max_rel < 0.05

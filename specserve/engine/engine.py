@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.attention.backend import AttentionBackend
+from specserve.attention.flash_backend import flash_attention_backend
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig
@@ -492,11 +493,13 @@ def pool_pages(cache: CacheConfig, device: torch.device, bytes_per_token: int) -
 
 def attention_backend(config: EngineConfig) -> AttentionBackend:
     """The backend `config.attention_backend` names; "auto" is triton on CUDA (or with CUDA graphs
-    asked for), torch on the CPU (TP followers build theirs here too)."""
+    asked for), torch on the CPU, never flash (TP followers build theirs here too)."""
     name = config.attention_backend
     if name == "auto":
         triton = config.torch_device().type == "cuda" or config.use_cuda_graphs()
         name = "triton" if triton else "torch"
+    if name == "flash":  # checked here, where it runs: the library must import on this machine
+        return flash_attention_backend(config.torch_device(), config.torch_dtype())
     return {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[name]()
 
 
