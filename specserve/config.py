@@ -132,6 +132,9 @@ class EngineConfig:
     # True on the CPU runs the same padded static-buffer path without capture, which tests use).
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64  # the largest batch bucket captured
+    # Overlap scheduling: the host schedules and launches step n+1 before collecting step n's tokens
+    # (None: on without speculative decoding at TP size 1; not available with it yet).
+    overlap_schedule: bool | None = None
     seed: int = 0
     # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).
     tp_size: int = 1
@@ -162,6 +165,14 @@ class EngineConfig:
             self.cuda_graphs is not True or self.attention_backend in ("auto", "triton"),
             "cuda_graphs",
             "needs the triton attention backend (attention_backend 'auto' or 'triton')",
+        )
+        _require(
+            self.overlap_schedule in (None, True, False), "overlap_schedule", "must be null, true or false"
+        )
+        _require(
+            self.overlap_schedule is not True or (self.speculative is None and self.tp_size == 1),
+            "overlap_schedule",
+            "works without speculative decoding at tp_size 1 only (so far)",
         )
         _require(
             isinstance(self.cuda_graph_max_batch, int) and self.cuda_graph_max_batch >= 1,
@@ -211,6 +222,11 @@ class EngineConfig:
             return self.cuda_graphs
         triton = self.attention_backend in ("auto", "triton")
         return triton and self.torch_device().type == "cuda" and self.tp_size == 1
+
+    def use_overlap(self) -> bool:
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.speculative is None and self.tp_size == 1
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

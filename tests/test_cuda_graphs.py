@@ -40,9 +40,9 @@ def graphed_runs(monkeypatch):
     calls = []
     original = CudaGraphs.run
 
-    def counting(self, step, capture=()):
+    def counting(self, step, capture=(), future=None):
         calls.append((step.attention.batch_size, step.attention.max_query_len))
-        return original(self, step, capture)
+        return original(self, step, capture, future)
 
     monkeypatch.setattr(CudaGraphs, "run", counting)
     return calls

@@ -24,8 +24,9 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.logprobs import StepLogprobs, step_logprobs
 from specserve.engine.output import make_output
-from specserve.engine.request import Request
-from specserve.engine.sampler import SamplingRow
+from specserve.engine.overlap import InFlight
+from specserve.engine.request import FUTURE_TOKEN, Request
+from specserve.engine.sampler import SamplingBatch, SamplingRow, sample
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.stats import SpecSettings, StatsSink, StepStats
 from specserve.engine.step_input import StepInput, build_step_input
@@ -89,6 +90,9 @@ class Engine:
         self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs)
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
+        self._overlap = config.use_overlap() and self.drafter is None and self.tp.size == 1
+        self._inflight: InFlight | None = None
+        self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []
@@ -126,6 +130,7 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return False
+        req.drop_pending()  # an in-flight step's row of it is discarded when that step settles
         self.scheduler.remove(req)
         req.finish({"type": "error", "message": error} if error else {"type": "abort", "message": "aborted"})
         self._pending.append(self._emit(req, []))
@@ -157,16 +162,23 @@ class Engine:
         return request_id in self._requests
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        busy = self._inflight is not None or self._failure is not None
+        return self.scheduler.has_work() or bool(self._pending) or busy
 
     def step(self) -> list[RequestOutput]:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         stats = self._stats
         stats.start_clock()
         outputs, self._pending = self._pending, []
         self._propose_drafts()
         stats.lap("draft" if self.drafter is not None else None)
         items = self.scheduler.schedule(stats)
-        if items:
+        if self._overlap and (items or self._inflight is not None):
+            outputs.extend(self._step_overlapped(items, stats))
+            stats.stop_clock()
+        elif items:
             outputs.extend(self._run_batch(items, stats))
             stats.stop_clock()
         else:
@@ -197,6 +209,88 @@ class Engine:
             req.draft_computed = min(req.draft_computed, req.num_computed)
         stats.lap("postprocess")
         return outputs
+
+    # ---- overlap scheduling (specserve/engine/overlap.py) ----------------------------------------
+
+    def _step_overlapped(self, items: list[ScheduledItem], stats: StepStats) -> list[RequestOutput]:
+        """Launch this step, then settle the one before it, whose tokens were copying meanwhile."""
+        previous, launched = self._inflight, None
+        try:
+            launched = self._launch(items, previous) if items else None
+        except Exception as exc:  # the step before is sound: hand out its tokens, then fail this one
+            self._failure = exc
+        stats.lap("target")
+        outputs = self._settle_step(previous) if previous is not None else []
+        self._inflight = launched
+        if launched is not None and launched.sync:  # its logprobs read logits the next step reuses
+            outputs += self._settle_step(launched)
+            self._inflight = None
+        stats.lap("postprocess")
+        return outputs
+
+    def _launch(self, items: list[ScheduledItem], previous: InFlight | None) -> InFlight:
+        """Forward and sampling on the device, no host wait; each sampling request gets a FUTURE_TOKEN."""
+        rows = previous.rows if previous is not None else None
+        inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket, rows)
+        future = previous.future() if previous is not None else None
+        _, _, logits = self.runner.execute(inp, future=future)
+        owners = [items[index].request for index in inp.sample_items]
+        sample_rows = [req.sampling_row(req.num_output) for req in owners]
+        if owners:
+            batch = SamplingBatch.build(sample_rows, self.device)
+            tokens = sample(logits[inp.sample_logit_rows], batch, self._banned(sample_rows, owners))
+        else:
+            tokens = torch.empty(0, dtype=torch.long, device=self.device)
+        wants_logprobs = bool(inp.input_logprobs) or any(r.params.return_logprob for r in owners)
+        flight = InFlight.start(items, inp, tokens, logits if wants_logprobs else None)
+        for item in items:
+            item.request.num_computed = item.end
+            item.request.settling = item.completes and item.request.prefill_only
+        for req in owners:
+            req.token_ids.append(FUTURE_TOKEN)
+            req.num_pending += 1
+            req.settling = req.num_output >= req.params.max_new_tokens
+        return flight
+
+    def _settle_step(self, flight: InFlight) -> list[RequestOutput]:
+        tokens = flight.sampled()
+        records: dict[int, StepLogprobs] = {}
+        if flight.sync:
+            emitted = {index: [token] for index, token in tokens.items()}
+            records = step_logprobs(flight.items, flight.inp, flight.logits, emitted)
+        outputs = []
+        for index, item in enumerate(flight.items):
+            out = self._settle(item, tokens.get(index), records.get(index))
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _settle(
+        self, item: ScheduledItem, token: int | None, records: StepLogprobs | None
+    ) -> RequestOutput | None:
+        """`_postprocess` for a step launched earlier (num_computed already advanced at launch)."""
+        req = item.request
+        if req.finished:
+            return None  # aborted, or stopped by the step before (this row was wasted)
+        if records is not None:
+            req.input_logprobs.extend(records.inputs)
+        if item.completes and req.prefill_only:
+            self.kv.commit(req, self._cacheable(req))
+            self._finish(req, {"type": "length", "length": 0})
+            return self._emit(req, [])
+        if token is None:  # a prefill chunk: nothing sampled yet
+            self.kv.commit(req, self._cacheable(req))
+            return None
+        later = req.drop_pending() - 1  # FUTURE_TOKENs of steps launched since
+        reason, delta = self._append(req, [token], records)
+        self.kv.commit(req, self._cacheable(req))  # the known tokens' pages only
+        if reason is not None:
+            self._finish(req, reason)
+        out = self._emit(req, delta)
+        if reason is None and later:
+            req.token_ids.extend([FUTURE_TOKEN] * later)
+            req.num_pending = later
+        return out
 
     def _end_step(self, outputs: list[RequestOutput]) -> None:
         """Start the next step's stats; with a sink, complete this step's (from host data) and hand

@@ -15,6 +15,9 @@ from typing import Any
 from specserve.engine.sampler import SamplingRow
 from specserve.types import SamplingParams
 
+# Stands in `token_ids` for a token an in-flight step is still sampling (overlap scheduling).
+FUTURE_TOKEN = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -61,6 +64,10 @@ class Request:
     spec_draft_tokens: int = 0  # drafts sent to verify
     spec_accepted_tokens: int = 0
     spec_accept_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
+    # Overlap scheduling: trailing FUTURE_TOKEN entries of token_ids, and whether the request's last
+    # step is in flight with nothing left to schedule (its output count or prefill is complete).
+    num_pending: int = 0
+    settling: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -126,6 +133,13 @@ class Request:
             seed=self.seed,
             counter=counter,
         )
+
+    def drop_pending(self) -> int:
+        """Remove the FUTURE_TOKEN entries; returns how many there were."""
+        pending, self.num_pending = self.num_pending, 0
+        if pending:
+            del self.token_ids[len(self.token_ids) - pending :]
+        return pending
 
     def finish(self, reason: dict[str, Any]) -> None:
         self.status = Status.FINISHED

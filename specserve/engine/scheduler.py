@@ -78,6 +78,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.settling:  # its last step is in flight (overlap scheduling)
+                i += 1
+                continue
             n = self._chunk(req.num_uncomputed + len(req.draft), budget, first=not items)
             if n == 0:
                 break

@@ -18,14 +18,14 @@ dummy slot 0, so no real slot or row is touched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specserve.attention.backend import AttentionBatch
-from specserve.engine.request import Request
+from specserve.engine.request import FUTURE_TOKEN, Request
 from specserve.engine.scheduler import ScheduledItem
 
 
@@ -108,9 +108,12 @@ def build_step_input(
     page_size: int,
     device: torch.device,
     graph_bucket: Callable[[int, int], tuple[int, int] | None] | None = None,
+    future: Mapping[str, int] | None = None,
 ) -> StepInput:
     """`graph_bucket(batch, max_query_len)`: the CUDA-graph bucket (batch, query len) a decode or
-    verify step of that shape is padded to, or None (eager)."""
+    verify step of that shape is padded to, or None (eager). `future`: for requests whose last
+    token an in-flight step is still sampling (FUTURE_TOKEN), that token's row among the in-flight
+    step's samples; its id goes in as -(row + 1), for the runner to resolve on the device."""
     ids: list[int] = []
     logit_rows: list[int] = []
     sample_items: list[int] = []
@@ -119,6 +122,8 @@ def build_step_input(
     for index, item in enumerate(items):
         req, offset = item.request, len(ids)
         ids.extend(req.token_ids[item.start : item.start + item.num_known])
+        if ids[-1] == FUTURE_TOKEN:
+            ids[-1] = -1 - future[req.request_id]
         ids.extend(item.draft)
         rows = _input_logprob_rows(item)
         if rows is not None:
@@ -158,6 +163,13 @@ def build_step_input(
         packed=packed,
         graphed=pad is not None,
     )
+
+
+def resolve_future_ids(ids: torch.Tensor, future: torch.Tensor) -> None:
+    """In place and on the device (no host sync): each id -(k + 1) of a step built with `future`
+    becomes future[k], the token the earlier step sampled at its sample row k."""
+    index = (-1 - ids).clamp_(0, future.shape[0] - 1)
+    torch.where(ids < 0, future.index_select(0, index), ids, out=ids)
 
 
 def _input_logprob_rows(item: ScheduledItem) -> tuple[int, range] | None:

@@ -21,7 +21,7 @@ import torch
 
 from specserve.attention.backend import AttentionBackend, AttentionBatch
 from specserve.engine.kv_cache import KVCache
-from specserve.engine.step_input import StepInput, graph_head_size
+from specserve.engine.step_input import StepInput, graph_head_size, resolve_future_ids
 from specserve.model.llama import LlamaForCausalLM
 
 # (final hidden [T, H], captured residual streams or None, fp32 logits [T, V]) of every token row
@@ -98,15 +98,19 @@ class CudaGraphs:
         if self.captured:
             self._capture_all()
 
-    def run(self, step: StepInput, capture: tuple[int, ...] = ()) -> Outputs:
+    def run(
+        self, step: StepInput, capture: tuple[int, ...] = (), future: torch.Tensor | None = None
+    ) -> Outputs:
         """The outputs of a padded step's real rows (views of the bucket's static outputs: consume
-        them before the next step)."""
+        them before the next step). `future`: see `ModelRunner.execute`."""
         if capture != self.capture_layers:
             raise ValueError(f"capture: graphs were captured for layers {self.capture_layers}, not {capture}")
         a = step.attention
         graph = self.graphs[(a.batch_size, a.max_query_len)]
         graph.head.copy_(step.packed[: graph.head.numel()])
         self.page_table[: a.batch_size, : a.page_table.shape[1]].copy_(a.page_table)
+        if future is not None:
+            resolve_future_ids(graph.ids, future)
         if self.captured:
             graph.graph.replay()
             hidden, aux, logits = graph.outputs

@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from specserve.attention.backend import AttentionBackend
 from specserve.engine.kv_cache import KVCache
-from specserve.engine.step_input import STEP_LAYOUT_LEN, StepInput, packed_size, unpack_step_input
+from specserve.engine.step_input import (
+    STEP_LAYOUT_LEN,
+    StepInput,
+    packed_size,
+    resolve_future_ids,
+    unpack_step_input,
+)
 from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.parallel import TPInfo
@@ -43,9 +49,15 @@ class ModelRunner:
     def graph_buckets(self) -> GraphBuckets | None:
         return None if self.graphs is None else self.graphs.buckets
 
-    def execute(self, step: StepInput, capture: tuple[int, ...] = ()) -> StepResult:
+    def execute(
+        self, step: StepInput, capture: tuple[int, ...] = (), future: torch.Tensor | None = None
+    ) -> StepResult:
+        """`future`: the tokens an earlier step sampled, still on the device; ids -(k + 1) of this
+        step stand for future[k] (overlap scheduling, TP size 1)."""
         if step.graphed:
-            return self.graphs.run(step, capture)
+            return self.graphs.run(step, capture, future)
+        if future is not None:
+            resolve_future_ids(step.input_ids, future)
         ctx = self.backend.prepare(step.attention, self.kv_cache)
         hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture)
         return hidden, aux, self.model.compute_logits(hidden[step.logit_rows])
