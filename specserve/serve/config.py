@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from specserve.api.auth import API_KEY_ENV, check_api_key
+from specserve.api.limits import MAX_BODY_BYTES
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -126,6 +128,14 @@ class ServeConfig(BaseModel):
     metrics_push_interval_s: float = Field(
         2.0, gt=0, description="How often each replica sends its metrics to the app's metrics hub (/metrics)."
     )
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, every endpoint but /health needs `Authorization: Bearer <key>` (401 "
+        f"otherwise). Unset: the ingress replicas' {API_KEY_ENV} variable, if any; else no auth.",
+    )
+    max_body_bytes: int = Field(
+        MAX_BODY_BYTES, ge=1024, description="Largest request body, in bytes; a bigger one is a 413, unread."
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on (`specserve serve`).")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy listens on (`specserve serve`).")
 
@@ -133,6 +143,13 @@ class ServeConfig(BaseModel):
     @classmethod
     def _speculative(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
         SpeculativeConfig.from_value(value)  # raises ValueError naming the setting
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_api_key(value.get_secret_value())
         return value
 
     @model_validator(mode="after")
