@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from specserve import SamplingParams
-from specserve.api.client import ChatPrompt, EngineStepError, EngineUnavailable
+from specserve.api.client import ChatPrompt, EngineOverloaded, EngineStepError, EngineUnavailable
+from specserve.engine.async_engine import _Call
 
 from api_utils import async_engine, serve
 
@@ -316,3 +317,28 @@ def test_an_idle_engine_pings_its_followers_and_fails_when_they_are_gone(tiny_ll
             time.sleep(0.01)
         assert "Connection closed by peer" in client.failure
         del engine.keepalive
+
+
+def test_requests_arriving_together_fill_the_free_slots_before_the_queue(tiny_llama):
+    """Admission counts as queued only the waiting requests beyond the free running slots: requests
+    the engine thread sees in one batch (before any step) are not refused for filling those slots."""
+    with async_engine(tiny_llama, max_running_requests=1, max_queued_requests=1) as client:
+
+        async def scenario():
+            gate = threading.Event()
+            held = asyncio.ensure_future(client._call(lambda reply: _Call(lambda _: gate.wait(30), reply)))
+            await asyncio.sleep(0.05)  # the thread is held: the adds below reach it in one batch
+            gens = [client.generate([5 + i, 6], LONG) for i in range(3)]
+            firsts = [asyncio.ensure_future(anext(g)) for g in gens]
+            await asyncio.sleep(0.05)
+            gate.set()
+            await held
+            results = await asyncio.gather(*firsts, return_exceptions=True)
+            for gen in gens:
+                await gen.aclose()
+            return results
+
+        results = asyncio.run(asyncio.wait_for(scenario(), 60))
+        refused = [r for r in results if isinstance(r, EngineOverloaded)]
+        assert len(refused) == 1 and all(not isinstance(r, BaseException) for r in results[:2]), results
+        assert client.wait_idle(60)

@@ -225,12 +225,21 @@ class AsyncEngine:
         (`EngineUnavailable(reason)`), new ones are refused and `health` raises. Nothing here waits on
         the engine thread, which may be stuck in a collective with a dead TP rank; if it is alive, it
         aborts the requests as their streams close, so their pages are freed."""
+        if self._set_failure(reason):
+            self._end_open_streams()
+
+    def _set_failure(self, reason: str) -> bool:
+        """Record the failure (health and admission see it from now on); False if one was already."""
         with self._cv:
             if self._failure is not None:
-                return
+                return False
             self._failure = reason
-            streams = list(self._open)
         log.error("the engine failed: %s", reason)
+        return True
+
+    def _end_open_streams(self) -> None:
+        with self._cv:
+            reason, streams = self._failure, list(self._open)
         for stream in streams:
             with contextlib.suppress(RuntimeError):  # that caller's loop is closed: nobody is waiting
                 stream.loop.call_soon_threadsafe(_fail_stream, stream, reason)
@@ -339,10 +348,14 @@ class AsyncEngine:
             why = "is shutting down" if refuse else f"failed: {self._failure}"
             command.reply.send(error=EngineUnavailable(f"the engine {why}"))
             return
-        waiting = self.engine.load()["num_waiting"]
-        if waiting >= self.max_queued_requests:
+        # Queued = waiting beyond the running slots still free: requests that arrive together (one
+        # batch of commands, before any step) may fill those slots and the queue, not the queue alone.
+        load = self.engine.load()
+        free = max(0, self.engine.config.scheduler.max_running_requests - load["num_running"])
+        queued = max(0, load["num_waiting"] - free)
+        if queued >= self.max_queued_requests:
             overloaded = EngineOverloaded(
-                f"{waiting} requests are already waiting (max_queued_requests={self.max_queued_requests})",
+                f"{queued} requests are already queued (max_queued_requests={self.max_queued_requests})",
                 self.retry_after,
             )
             command.reply.send(error=overloaded)
@@ -366,9 +379,11 @@ class AsyncEngine:
         except Exception as exc:
             log.exception("an engine step failed; failing the requests it was running")
             self.metrics.step_errors.inc()
-            self._fail_running(EngineStepError(f"engine step failed: {exc!r}"))
-            if self.fail_on_step_error:
-                self.fail(f"an engine step failed: {exc!r}")
+            # Failed first, so that a caller told of the failure below already finds the engine failed.
+            failing = self.fail_on_step_error and self._set_failure(f"an engine step failed: {exc!r}")
+            self._fail_running(EngineStepError(f"engine step failed: {exc!r}"))  # its requests
+            if failing:
+                self._end_open_streams()  # and every other open one
 
     def _keepalive(self) -> None:
         try:
