@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import time
 
 import httpx
@@ -15,13 +13,13 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from specserve.serve.app import build_app  # noqa: E402
+from specserve.serve.metrics_hub import kill_hub  # noqa: E402
 
 from api_utils import exposed_families  # noqa: E402
+from serve_utils import ENGINE, deploy, kv_clean, running_replicas  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
-ENGINE = "SpecServeEngine"
 PROMPTS = [
     "Repeat this list exactly three times: apple, banana, cherry, date.",
     "Write the numbers from 1 to 20 separated by commas.",
@@ -29,41 +27,9 @@ PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def cluster():
-    # Replicas report load every half second, so the autoscaling test sees load changes quickly.
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    # Replica logs stay in Ray's session folder (/tmp/ray/session_latest/logs/serve), not in pytest's output.
-    ray.init(num_cpus=16, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-
-
-def _deploy(name: str, route: str, **args) -> None:
-    # Replicas push metrics to the app's hub every half second: /metrics catches up quickly.
-    base = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "metrics_push_interval_s": 0.5}
-    serve.run(build_app({**base, **args}), name=name, route_prefix=route, blocking=False)
-    deadline = time.monotonic() + 300
-    while serve.status().applications[name].status != "RUNNING":
-        assert serve.status().applications[name].status != "DEPLOY_FAILED", serve.status().applications[name]
-        assert time.monotonic() < deadline, "app did not start"
-        time.sleep(0.5)
-
-
-def _kv_clean(app: str) -> None:
-    handle = serve.get_deployment_handle(ENGINE, app_name=app)
-    report = handle.check_kv_accounting.remote().result(timeout_s=60)
-    assert report["ok"], report
+def cluster(ray_serve_url):
+    return ray_serve_url
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +37,12 @@ def smollm2_apps(cluster, smollm2_gguf):
     """SmolLM2 (the default model, real n-gram acceptance) at TP=1 on `/` and at TP=2 on `/tp2`:
     9 query / 3 KV heads, so TP=2 splits the heads unevenly."""
     spec = {"method": "ngram", "num_steps": 4}
-    _deploy("main", "/", model=str(smollm2_gguf), speculative=spec)
-    _deploy("tp2", "/tp2", model=str(smollm2_gguf), speculative=spec, tp_size=2)
-    return {"tp1": cluster, "tp2": f"{cluster}/tp2"}
+    deploy("main", "/", model=str(smollm2_gguf), speculative=spec)
+    deploy("tp2", "/tp2", model=str(smollm2_gguf), speculative=spec, tp_size=2)
+    yield {"tp1": cluster, "tp2": f"{cluster}/tp2"}
+    for app in ("main", "tp2"):  # Ray outlives this module: leave nothing running
+        serve.delete(app)
+        kill_hub(app)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +66,8 @@ def test_tp1_and_tp2_give_identical_greedy_output(smollm2_apps, chat_ids):
     tp2 = _generate(smollm2_apps["tp2"], payload)
     assert [o["output_ids"] for o in tp1] == [o["output_ids"] for o in tp2]
     assert all(len(o["output_ids"]) == 24 or o["meta_info"]["finish_reason"]["type"] == "stop" for o in tp1)
-    _kv_clean("main")
-    _kv_clean("tp2")
+    kv_clean("main")
+    kv_clean("tp2")
 
 
 def test_native_logprobs_under_speculation_equal_prefill_scoring(smollm2_apps, chat_ids):
@@ -160,7 +129,7 @@ def test_openai_client_through_serve(smollm2_apps):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
-    _kv_clean("main")
+    kv_clean("main")
 
 
 BAD = [
@@ -225,11 +194,11 @@ def test_disconnect_mid_stream_frees_kv_pages(smollm2_apps, chat_ids):
     while handle.health.remote().result(timeout_s=60)["num_running"] > 0:
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.2)
-    _kv_clean("main")
+    kv_clean("main")
 
 
 def test_overload_gets_429_or_503_with_retry_after(cluster, smollm2_gguf):
-    _deploy(
+    deploy(
         "small",
         "/small",
         model=str(smollm2_gguf),
@@ -253,7 +222,7 @@ def test_overload_gets_429_or_503_with_retry_after(cluster, smollm2_gguf):
         (r.status_code, r.text[:150]) for r in rejected
     ]
     assert httpx.post(f"{url}/generate", json=payload, timeout=300).status_code == 200
-    _kv_clean("small")
+    kv_clean("small")
     serve.delete("small")
 
 
@@ -284,8 +253,8 @@ def test_metrics_cover_every_engine_replica_of_the_app(smollm2_apps, chat_ids):
     _check_app_metrics(smollm2_apps["tp2"], "tp2", chat_ids[2])
     tp2_families = _scrape(smollm2_apps["tp2"])
     assert _replica_value(tp2_families, GENERATED, main) is None  # each app's hub has its own replicas
-    _kv_clean("main")
-    _kv_clean("tp2")
+    kv_clean("main")
+    kv_clean("tp2")
 
 
 GENERATED = "specserve_generation_tokens_total"
@@ -305,13 +274,8 @@ def _check_app_metrics(url: str, app: str, prompt_ids: list[int]) -> str:
     return replica
 
 
-def _replicas(app: str) -> int:
-    deployment = serve.status().applications[app].deployments[ENGINE]
-    return sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")
-
-
 def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
-    _deploy(
+    deploy(
         "auto",
         "/auto",
         model=str(smollm2_gguf),
@@ -329,7 +293,7 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
         },
     )
     url = f"{cluster}/auto"
-    assert _replicas("auto") == 1
+    assert running_replicas("auto") == 1
     payload = {"text": "Count to fifty.", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
     saw = {"max": 1}
 
@@ -339,7 +303,7 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline and saw["max"] < 2:
                 await asyncio.sleep(1.0)
-                saw["max"] = max(saw["max"], _replicas("auto"))
+                saw["max"] = max(saw["max"], running_replicas("auto"))
                 for task in [t for t in pending if t.done()]:
                     assert task.result().status_code == 200
                     pending.discard(task)
@@ -354,7 +318,8 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
     assert target.labels["model"] == str(smollm2_gguf) and 1 <= target.value <= 2
     deadline = time.monotonic() + 120
     while (
-        _replicas("auto") != 1 or serve.status().applications["auto"].deployments[ENGINE].status != "HEALTHY"
+        running_replicas("auto") != 1
+        or serve.status().applications["auto"].deployments[ENGINE].status != "HEALTHY"
     ):
         assert time.monotonic() < deadline, "the engine never scaled back to one replica"
         time.sleep(1.0)

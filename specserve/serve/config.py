@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from specserve.api.auth import API_KEY_ENV, check_api_key
 from specserve.api.limits import MAX_BODY_BYTES
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from specserve.executor.tp_group import DEFAULT_TIMEOUT_S
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The embedded default drafter until trained heads ship: prompt lookup needs no weights.
@@ -127,6 +128,19 @@ class ServeConfig(BaseModel):
     )
     metrics_push_interval_s: float = Field(
         2.0, gt=0, description="How often each replica sends its metrics to the app's metrics hub (/metrics)."
+    )
+    tp_timeout_s: float = Field(
+        DEFAULT_TIMEOUT_S,
+        gt=0,
+        description="Longest one TP collective waits for a rank: a hung rank fails its replica after this "
+        "(a dead one fails it at once). Idle followers are pinged every quarter of it; joining the group "
+        "may take longer (10 minutes).",
+    )
+    health_check_period_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often Serve probes each engine replica; one whose engine failed (a dead TP "
+        "follower, a failed step) is replaced after 3 failed probes.",
     )
     api_key: SecretStr | None = Field(
         None,
