@@ -14,6 +14,7 @@ from specserve.api.app import make_app
 from specserve.engine.async_engine import AsyncEngine
 
 MODEL_NAME = "tiny"
+SMALL_CONTEXT = 64  # max_model_len of `small_served`: requests at the limits, and fuzzing, stay cheap
 
 
 @dataclass

@@ -132,3 +132,13 @@ def tiny_llama(smollm2_gguf, tmp_path_factory):
 
     folder = save_tiny_llama3(tmp_path_factory.mktemp("tiny_llama") / "model", load_tokenizer(smollm2_gguf))
     return load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def small_served(tiny_llama):
+    """The HTTP app over a tiny engine with a 64-token context (`api_utils.SMALL_CONTEXT`), shared by
+    the limit and fuzz tests; each leaves it idle."""
+    from api_utils import SMALL_CONTEXT, serve
+
+    with serve(tiny_llama, max_total_tokens=2048, max_model_len=SMALL_CONTEXT) as served:
+        yield served

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from specserve import SamplingParams
 
-from api_utils import MODEL_NAME, serve
+from api_utils import MODEL_NAME, SMALL_CONTEXT
 
-CONTEXT = 64
+CONTEXT = SMALL_CONTEXT
 VOCAB = 49152  # the tiny model's vocabulary (SmolLM2's tokenizer)
 FUZZ = settings(
     max_examples=150,
@@ -33,16 +33,10 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama):
-    with serve(tiny_llama, max_total_tokens=2048, max_model_len=CONTEXT) as s:
-        yield s
-
-
 @pytest.fixture(autouse=True)
-def _idle(served):
-    yield
-    assert served.client.wait_idle(60), "the engine thread did not go idle"
+def served(small_served):
+    yield small_served
+    assert small_served.client.wait_idle(60), "the engine thread did not go idle"
 
 
 # ---- strategies ---------------------------------------------------------------------------------

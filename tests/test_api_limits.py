@@ -25,24 +25,18 @@ from specserve.api.limits import (
     MAX_TOP_LOGPROBS,
 )
 
-from api_utils import serve
+from api_utils import SMALL_CONTEXT
 
 COMPLETIONS, CHAT, GENERATE = "/v1/completions", "/v1/chat/completions", "/generate"
-CONTEXT = 64  # max_model_len of the app under test: requests at the limits stay cheap
+CONTEXT = SMALL_CONTEXT
 KEY = "sk-test-0123456789"
 USER = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama):
-    with serve(tiny_llama, max_total_tokens=2048, max_model_len=CONTEXT) as s:
-        yield s
-
-
 @pytest.fixture(autouse=True)
-def _idle(served):
-    yield
-    assert served.client.wait_idle(60), "the engine thread did not go idle"
+def served(small_served):
+    yield small_served
+    assert small_served.client.wait_idle(60), "the engine thread did not go idle"
 
 
 def _completion(**fields):
