@@ -328,7 +328,8 @@ def test_requests_arriving_together_fill_the_free_slots_before_the_queue(tiny_ll
             gate = threading.Event()
             held = asyncio.ensure_future(client._call(lambda reply: _Call(lambda _: gate.wait(30), reply)))
             await asyncio.sleep(0.05)  # the thread is held: the adds below reach it in one batch
-            gens = [client.generate([5 + i, 6], LONG) for i in range(3)]
+            short = SamplingParams(max_new_tokens=4, ignore_eos=True)  # the waiting one starts soon
+            gens = [client.generate([5 + i, 6], short) for i in range(3)]
             firsts = [asyncio.ensure_future(anext(g)) for g in gens]
             await asyncio.sleep(0.05)
             gate.set()

@@ -16,7 +16,9 @@ from ray import serve  # noqa: E402
 from specserve.serve.metrics_hub import kill_hub  # noqa: E402
 
 from api_utils import exposed_families  # noqa: E402
-from serve_utils import ENGINE, deploy, kv_clean, running_replicas  # noqa: E402
+from serve_utils import ENGINE, running_replicas  # noqa: E402
+from serve_utils import deploy as _deploy  # noqa: E402
+from serve_utils import kv_clean as _kv_clean  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,8 +39,8 @@ def smollm2_apps(cluster, smollm2_gguf):
     """SmolLM2 (the default model, real n-gram acceptance) at TP=1 on `/` and at TP=2 on `/tp2`:
     9 query / 3 KV heads, so TP=2 splits the heads unevenly."""
     spec = {"method": "ngram", "num_steps": 4}
-    deploy("main", "/", model=str(smollm2_gguf), speculative=spec)
-    deploy("tp2", "/tp2", model=str(smollm2_gguf), speculative=spec, tp_size=2)
+    _deploy("main", "/", model=str(smollm2_gguf), speculative=spec)
+    _deploy("tp2", "/tp2", model=str(smollm2_gguf), speculative=spec, tp_size=2)
     yield {"tp1": cluster, "tp2": f"{cluster}/tp2"}
     for app in ("main", "tp2"):  # Ray outlives this module: leave nothing running
         serve.delete(app)
@@ -66,8 +68,8 @@ def test_tp1_and_tp2_give_identical_greedy_output(smollm2_apps, chat_ids):
     tp2 = _generate(smollm2_apps["tp2"], payload)
     assert [o["output_ids"] for o in tp1] == [o["output_ids"] for o in tp2]
     assert all(len(o["output_ids"]) == 24 or o["meta_info"]["finish_reason"]["type"] == "stop" for o in tp1)
-    kv_clean("main")
-    kv_clean("tp2")
+    _kv_clean("main")
+    _kv_clean("tp2")
 
 
 def test_native_logprobs_under_speculation_equal_prefill_scoring(smollm2_apps, chat_ids):
@@ -129,7 +131,7 @@ def test_openai_client_through_serve(smollm2_apps):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
-    kv_clean("main")
+    _kv_clean("main")
 
 
 BAD = [
@@ -194,11 +196,11 @@ def test_disconnect_mid_stream_frees_kv_pages(smollm2_apps, chat_ids):
     while handle.health.remote().result(timeout_s=60)["num_running"] > 0:
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.2)
-    kv_clean("main")
+    _kv_clean("main")
 
 
 def test_overload_gets_429_or_503_with_retry_after(cluster, smollm2_gguf):
-    deploy(
+    _deploy(
         "small",
         "/small",
         model=str(smollm2_gguf),
@@ -222,7 +224,7 @@ def test_overload_gets_429_or_503_with_retry_after(cluster, smollm2_gguf):
         (r.status_code, r.text[:150]) for r in rejected
     ]
     assert httpx.post(f"{url}/generate", json=payload, timeout=300).status_code == 200
-    kv_clean("small")
+    _kv_clean("small")
     serve.delete("small")
 
 
@@ -253,8 +255,8 @@ def test_metrics_cover_every_engine_replica_of_the_app(smollm2_apps, chat_ids):
     _check_app_metrics(smollm2_apps["tp2"], "tp2", chat_ids[2])
     tp2_families = _scrape(smollm2_apps["tp2"])
     assert _replica_value(tp2_families, GENERATED, main) is None  # each app's hub has its own replicas
-    kv_clean("main")
-    kv_clean("tp2")
+    _kv_clean("main")
+    _kv_clean("tp2")
 
 
 GENERATED = "specserve_generation_tokens_total"
@@ -275,7 +277,7 @@ def _check_app_metrics(url: str, app: str, prompt_ids: list[int]) -> str:
 
 
 def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
-    deploy(
+    _deploy(
         "auto",
         "/auto",
         model=str(smollm2_gguf),
