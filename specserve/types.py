@@ -73,8 +73,11 @@ class SamplingParams:
         )
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        # Bounded like the seed: the sampler packs it into an int64 tensor (any k >= the vocabulary is off).
         _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1"
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k < 2**63),
+            "top_k",
+            "must be -1 (off) or in [1, 2**63)",
         )
         _check(_is_number(self.min_p) and 0 <= self.min_p < 1, "min_p", "must be in [0, 1)")
         _check(

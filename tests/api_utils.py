@@ -14,6 +14,7 @@ from specserve.api.app import make_app
 from specserve.engine.async_engine import AsyncEngine
 
 MODEL_NAME = "tiny"
+SMALL_CONTEXT = 64  # max_model_len of `small_served`: requests at the limits, and fuzzing, stay cheap
 
 
 @dataclass
@@ -31,11 +32,16 @@ class Served:
 
 
 @contextlib.contextmanager
-def async_engine(loaded, *, max_queued_requests: int = 256, **llm_kwargs) -> Iterator[AsyncEngine]:
-    """An AsyncEngine (model name `MODEL_NAME`) over a fresh engine on `loaded` (CPU, fp32)."""
+def async_engine(
+    loaded, *, max_queued_requests: int = 256, client_options: dict | None = None, **llm_kwargs
+) -> Iterator[AsyncEngine]:
+    """An AsyncEngine (model name `MODEL_NAME`) over a fresh engine on `loaded` (CPU, fp32);
+    `client_options`: more AsyncEngine arguments (fail_on_step_error, keepalive_s)."""
     llm_kwargs.setdefault("max_total_tokens", 4096)
     engine = LLM(loaded, device="cpu", dtype="float32", **llm_kwargs).engine
-    client = AsyncEngine(engine, model_name=MODEL_NAME, max_queued_requests=max_queued_requests)
+    client = AsyncEngine(
+        engine, model_name=MODEL_NAME, max_queued_requests=max_queued_requests, **(client_options or {})
+    )
     try:
         yield client
     finally:

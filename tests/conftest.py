@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import sys
 import weakref
 from pathlib import Path
 
@@ -18,13 +21,61 @@ if not torch.cuda.is_available():
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
+RAY_FIXTURE = "ray_serve_url"
+_LAST_RAY_TEST = pytest.StashKey[str]()
+
+
 def pytest_collection_modifyitems(config, items):
+    ray_tests = [item.nodeid for item in items if RAY_FIXTURE in getattr(item, "fixturenames", ())]
+    if ray_tests:
+        config.stash[_LAST_RAY_TEST] = ray_tests[-1]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures (apps being deleted) are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the shared Ray instance after the last test that uses it, not at the end of the session:
+    idle, it would still cost the rest of the suite CPU and memory."""
+    if item.nodeid == item.config.stash.get(_LAST_RAY_TEST, None):
+        _stop_ray()
+
+
+@pytest.fixture(scope="session")
+def ray_serve_url(tmp_path_factory):
+    """A local Ray instance (16 logical CPUs) with Serve's HTTP proxy on a free port, shared by every
+    module that tests through Ray Serve (starting Ray costs seconds); yields the proxy's URL."""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    # Replicas report load every half second, so the autoscaling test sees load changes quickly.
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    # Ray puts the driver's working directory on every worker's sys.path: from the checkout, its
+    # kernels/ would shadow the PyPI `kernels` that transformers probes for (kernels/__init__.py).
+    # Started from an empty folder, workers import specserve as the driver does (installed, or PYTHONPATH).
+    # Replica logs stay in Ray's session folder (/tmp/ray/session_latest/logs/serve), not in pytest's output.
+    with contextlib.chdir(tmp_path_factory.mktemp("ray-driver")):
+        ray.init(num_cpus=16, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    _stop_ray()
+
+
+def _stop_ray() -> None:
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -81,3 +132,13 @@ def tiny_llama(smollm2_gguf, tmp_path_factory):
 
     folder = save_tiny_llama3(tmp_path_factory.mktemp("tiny_llama") / "model", load_tokenizer(smollm2_gguf))
     return load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def small_served(tiny_llama):
+    """The HTTP app over a tiny engine with a 64-token context (`api_utils.SMALL_CONTEXT`), shared by
+    the limit and fuzz tests; each leaves it idle."""
+    from api_utils import SMALL_CONTEXT, serve
+
+    with serve(tiny_llama, max_total_tokens=2048, max_model_len=SMALL_CONTEXT) as served:
+        yield served

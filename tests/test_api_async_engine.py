@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
 
 from specserve import SamplingParams
-from specserve.api.client import ChatPrompt, EngineUnavailable
-from specserve.engine.async_engine import EngineStepError
+from specserve.api.client import ChatPrompt, EngineOverloaded, EngineStepError, EngineUnavailable
+from specserve.engine.async_engine import _Call
 
-from api_utils import serve
+from api_utils import async_engine, serve
 
 LONG = SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True)  # up to the context
 
@@ -200,7 +202,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(served):
         del model.compute_logits
     assert outs[-1].finished and len(outs[-1].token_ids) == 4
     assert response.status_code == 200 and frames[0]["choices"][0]["text"] is not None
-    assert frames[-1]["error"]["code"] == 500 and "injected fault" in frames[-1]["error"]["message"]
+    assert frames[-1]["error"]["code"] == 503 and "injected fault" in frames[-1]["error"]["message"]
     assert served.client.metrics.sample("specserve_engine_step_errors_total") == 2
     assert served.http.get("/health").status_code == 200
 
@@ -223,3 +225,121 @@ def test_shutdown_ends_streams_and_answers_503(tiny_llama):
         assert health.status_code == 503 and "Retry-After" in health.headers
         refused = s.http.post("/v1/completions", json={"prompt": "hi"})
         assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+
+
+def test_a_reused_request_id_never_aborts_its_owner(served):
+    """A caller that reuses a running request's id is refused; leaving before the refusal arrives must
+    not abort the owner's request (its abort names its own stream, not just the id)."""
+
+    async def scenario():
+        owner = served.client.generate([1, 2, 3], SamplingParams(max_new_tokens=48, ignore_eos=True), "mine")
+        outs = [await anext(owner)]
+        intruder = asyncio.ensure_future(anext(served.client.generate([4, 5], SamplingParams(), "mine")))
+        await asyncio.sleep(0)  # posted, awaiting admission
+        intruder.cancel()
+        await asyncio.gather(intruder, return_exceptions=True)
+        outs += [out async for out in owner]
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 48
+
+
+def test_fail_ends_every_open_request_with_a_503_at_once(tiny_llama):
+    """`fail` (a dead TP follower, under Ray) ends running and still-unadmitted requests from the callers'
+    side with EngineUnavailable, refuses new ones, turns /health into a 503; the thread frees the pages."""
+    with serve(tiny_llama, max_running_requests=1) as s:
+
+        async def scenario():
+            running = s.client.generate([5, 6, 7], LONG)
+            await anext(running)
+            waiting = asyncio.ensure_future(anext(s.client.generate([8, 9], LONG)))
+            while (await s.client.health())["num_waiting"] < 1:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(s.client.fail, "TP follower rank 1 failed: ActorDiedError")
+            with pytest.raises(EngineUnavailable, match="rank 1 failed"):
+                async for _ in running:
+                    pass
+            with pytest.raises(EngineUnavailable, match="rank 1 failed"):
+                await waiting
+            with pytest.raises(EngineUnavailable, match="rank 1 failed"):
+                await anext(s.client.generate("hi", SamplingParams()))
+
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+        health = s.http.get("/health")
+        assert health.status_code == 503 and "rank 1 failed" in health.json()["error"]["message"]
+        refused = s.http.post("/v1/completions", json={"prompt": "hi"})
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        assert s.client.wait_idle(60) and s.client.engine.load()["num_running"] == 0
+        s.client.engine.check_kv_accounting()
+
+
+def test_fail_on_step_error_fails_the_engine(tiny_llama):
+    """What a Ray replica runs with: one failed step fails the engine (503s, unhealthy) so Serve
+    replaces it, rather than going on with possibly broken state."""
+    with async_engine(tiny_llama, client_options={"fail_on_step_error": True}) as client:
+        model = client.engine.model
+
+        def blows(hidden):
+            raise RuntimeError("device fault")
+
+        async def scenario():
+            with pytest.raises(EngineStepError, match="device fault"):
+                async for _ in client.generate([4, 5, 6], SamplingParams(max_new_tokens=4)):
+                    pass
+            with pytest.raises(EngineUnavailable, match="device fault"):
+                await client.health()
+
+        model.compute_logits = blows
+        try:
+            asyncio.run(asyncio.wait_for(scenario(), 60))
+        finally:
+            del model.compute_logits
+        assert client.failure is not None and "device fault" in client.failure
+
+
+def test_an_idle_engine_pings_its_followers_and_fails_when_they_are_gone(tiny_llama):
+    """Idle TP followers wait for the next step in a collective bounded by the group's timeout: the
+    engine thread pings them every `keepalive_s`; a failed ping means the group is broken."""
+    with async_engine(tiny_llama, client_options={"keepalive_s": 0.05}) as client:
+        engine = client.engine
+        pings = threading.Event()
+        engine.keepalive = pings.set
+        assert pings.wait(30), "the idle engine never pinged"
+
+        def broken():
+            raise RuntimeError("Connection closed by peer")
+
+        engine.keepalive = broken
+        deadline = time.monotonic() + 30
+        while client.failure is None:
+            assert time.monotonic() < deadline, "a failed ping did not fail the engine"
+            time.sleep(0.01)
+        assert "Connection closed by peer" in client.failure
+        del engine.keepalive
+
+
+def test_requests_arriving_together_fill_the_free_slots_before_the_queue(tiny_llama):
+    """Admission counts as queued only the waiting requests beyond the free running slots: requests
+    the engine thread sees in one batch (before any step) are not refused for filling those slots."""
+    with async_engine(tiny_llama, max_running_requests=1, max_queued_requests=1) as client:
+
+        async def scenario():
+            gate = threading.Event()
+            held = asyncio.ensure_future(client._call(lambda reply: _Call(lambda _: gate.wait(30), reply)))
+            await asyncio.sleep(0.05)  # the thread is held: the adds below reach it in one batch
+            short = SamplingParams(max_new_tokens=4, ignore_eos=True)  # the waiting one starts soon
+            gens = [client.generate([5 + i, 6], short) for i in range(3)]
+            firsts = [asyncio.ensure_future(anext(g)) for g in gens]
+            await asyncio.sleep(0.05)
+            gate.set()
+            await held
+            results = await asyncio.gather(*firsts, return_exceptions=True)
+            for gen in gens:
+                await gen.aclose()
+            return results
+
+        results = asyncio.run(asyncio.wait_for(scenario(), 60))
+        refused = [r for r in results if isinstance(r, EngineOverloaded)]
+        assert len(refused) == 1 and all(not isinstance(r, BaseException) for r in results[:2]), results
+        assert client.wait_idle(60)

@@ -37,6 +37,7 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "logprobs": 50}, "logprobs"),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
     (COMPLETIONS, {"prompt": "x", "top_k": 0}, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "top_k": 2**64}, "top_k"),  # once failed the whole engine step
     (COMPLETIONS, {"prompt": "x", "seed": -3}, "seed"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
@@ -59,6 +60,7 @@ BAD = [
     (GENERATE, {"input_ids": [[1, 2], [3, "a"]]}, "input_ids[1][1]"),
     (GENERATE, {"input_ids": [1, 49152]}, "input_ids"),
     (GENERATE, _native(temperature=-1), "sampling_params.temperature"),
+    (GENERATE, _native(top_k=2**63), "sampling_params.top_k"),
     (GENERATE, _native(min_new_tokens=9), "sampling_params.min_new_tokens"),
     (GENERATE, _native(ignore_eos="yes"), "sampling_params.ignore_eos"),
     (GENERATE, _native(stop_token_ids=[-1]), "sampling_params.stop_token_ids"),

@@ -72,6 +72,10 @@ def test_autoscale_file_plugs_in_the_engine_load_policy():
         ({"dtype": "int8"}, "dtype"),
         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling.max_replicas"),
         ({"unknown_field": 1}, "unknown_field"),
+        ({"tp_timeout_s": 0}, "tp_timeout_s"),
+        ({"health_check_period_s": -1}, "health_check_period_s"),
+        ({"max_body_bytes": 10}, "max_body_bytes"),
+        ({"api_key": ""}, "api_key"),
     ],
 )
 def test_serve_config_errors_name_the_field(args, field):
@@ -129,3 +133,16 @@ def test_policy_scales_back_down_when_load_ends():
     assert engine_load_policy(_ctx(2, 0, _per_replica(idle, idle)), **TARGETS)[0] == 1
     assert engine_load_policy(_ctx(2, 0, None), **TARGETS)[0] == 1  # no reports yet
     assert replicas_needed(3, 0, {}, **TARGETS) == 0
+
+
+def test_fault_settings_reach_the_deployments():
+    """The health probe period goes to Serve; the API key and body cap go to the ingress only (the
+    engine replicas never need the key, so they never hold it)."""
+    from specserve.serve.app import build_app
+
+    config = ServeConfig(health_check_period_s=1.5, tp_timeout_s=30, api_key="k3y", max_body_bytes=4096)
+    assert engine_deployment_options(config, gpu=False)["health_check_period_s"] == 1.5
+    ingress = build_app(config)._bound_deployment
+    engine_args, api_options = ingress.init_args[0]._bound_deployment.init_args[0], ingress.init_args[3]
+    assert "api_key" not in engine_args and engine_args["tp_timeout_s"] == 30
+    assert api_options == {"api_key": "k3y", "max_body_bytes": 4096}

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
-import socket
 import time
 
 import httpx
@@ -17,14 +15,16 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from specserve.bench_load import ENDPOINTS, Generation, LoadShape, run_load  # noqa: E402
-from specserve.serve.app import build_app  # noqa: E402
+from specserve.serve.metrics_hub import kill_hub  # noqa: E402
 
 from api_utils import exposed_families  # noqa: E402
+from serve_utils import ENGINE, running_replicas  # noqa: E402
+from serve_utils import deploy as _deploy  # noqa: E402
+from serve_utils import kv_clean as _kv_clean  # noqa: E402
 from tiny_models import save_tiny_llama3  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
-ENGINE = "SpecServeEngine"
 PROMPTS = [
     "Repeat this list exactly three times: apple, banana, cherry, date.",
     "Write the numbers from 1 to 20 separated by commas.",
@@ -32,49 +32,9 @@ PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    # Replicas report load every half second, so the autoscaling test sees load changes quickly.
-    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
-    # Ray puts the driver's working directory on every worker's sys.path; run from the repository root,
-    # that is the checkout, whose kernels/ folder would shadow the PyPI `kernels` transformers probes for
-    # (kernels/__init__.py refuses). Start Ray from an empty folder instead.
-    here = os.getcwd()
-    os.chdir(tmp_path_factory.mktemp("ray-cwd"))
-    try:
-        # Replica logs stay in Ray's session folder (/tmp/ray/session_latest/logs/serve), not in pytest's output.
-        ray.init(num_cpus=16, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    finally:
-        os.chdir(here)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-
-
-def _deploy(name: str, route: str, **args) -> None:
-    # Replicas push metrics to the app's hub every half second: /metrics catches up quickly.
-    base = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192, "metrics_push_interval_s": 0.5}
-    serve.run(build_app({**base, **args}), name=name, route_prefix=route, blocking=False)
-    deadline = time.monotonic() + 300
-    while serve.status().applications[name].status != "RUNNING":
-        assert serve.status().applications[name].status != "DEPLOY_FAILED", serve.status().applications[name]
-        assert time.monotonic() < deadline, "app did not start"
-        time.sleep(0.5)
-
-
-def _kv_clean(app: str) -> None:
-    handle = serve.get_deployment_handle(ENGINE, app_name=app)
-    report = handle.check_kv_accounting.remote().result(timeout_s=60)
-    assert report["ok"], report
+def cluster(ray_serve_url):
+    return ray_serve_url
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +44,10 @@ def smollm2_apps(cluster, smollm2_gguf):
     spec = {"method": "ngram", "num_steps": 4}
     _deploy("main", "/", model=str(smollm2_gguf), speculative=spec)
     _deploy("tp2", "/tp2", model=str(smollm2_gguf), speculative=spec, tp_size=2)
-    return {"tp1": cluster, "tp2": f"{cluster}/tp2"}
+    yield {"tp1": cluster, "tp2": f"{cluster}/tp2"}
+    for app in ("main", "tp2"):  # Ray outlives this module: leave nothing running
+        serve.delete(app)
+        kill_hub(app)
 
 
 @pytest.fixture(scope="module")
@@ -316,11 +279,6 @@ def _check_app_metrics(url: str, app: str, prompt_ids: list[int]) -> str:
     return replica
 
 
-def _replicas(app: str) -> int:
-    deployment = serve.status().applications[app].deployments[ENGINE]
-    return sum(n for state, n in deployment.replica_states.items() if state == "RUNNING")
-
-
 def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
     _deploy(
         "auto",
@@ -340,7 +298,7 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
         },
     )
     url = f"{cluster}/auto"
-    assert _replicas("auto") == 1
+    assert running_replicas("auto") == 1
     payload = {"text": "Count to fifty.", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
     saw = {"max": 1}
 
@@ -350,7 +308,7 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
             deadline = time.monotonic() + 240
             while time.monotonic() < deadline and saw["max"] < 2:
                 await asyncio.sleep(1.0)
-                saw["max"] = max(saw["max"], _replicas("auto"))
+                saw["max"] = max(saw["max"], running_replicas("auto"))
                 for task in [t for t in pending if t.done()]:
                     assert task.result().status_code == 200
                     pending.discard(task)
@@ -365,7 +323,8 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
     assert target.labels["model"] == str(smollm2_gguf) and 1 <= target.value <= 2
     deadline = time.monotonic() + 120
     while (
-        _replicas("auto") != 1 or serve.status().applications["auto"].deployments[ENGINE].status != "HEALTHY"
+        running_replicas("auto") != 1
+        or serve.status().applications["auto"].deployments[ENGINE].status != "HEALTHY"
     ):
         assert time.monotonic() < deadline, "the engine never scaled back to one replica"
         time.sleep(1.0)

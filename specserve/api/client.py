@@ -51,6 +51,12 @@ class EngineUnavailable(Exception):
         self.retry_after = retry_after
 
 
+class EngineStepError(EngineUnavailable):
+    """The engine step computing this request raised, and the request was aborted: a 503 like any
+    failed engine (under Ray Serve that replica reports unhealthy and is replaced; a retry reaches a
+    healthy one). An `EngineUnavailable` so every layer that maps those maps this too."""
+
+
 class EngineClient(Protocol):
     model_name: str  # the served model's name (the `model` label of the app's metrics)
 

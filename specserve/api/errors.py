@@ -2,7 +2,8 @@
 
 `{"error": {"message", "type", "param", "code"}}`: pydantic validation errors name the field path,
 ValueErrors of `SamplingParams` and the engine ("field: message") are mapped to the API's own field
-names, `EngineOverloaded` is a 429 and `EngineUnavailable` a 503 (both with Retry-After).
+names, `EngineOverloaded` is a 429 and `EngineUnavailable` (a failed engine step among them) a 503,
+both with Retry-After. Errors log no request content (prompts stay out of logs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 _TYPES = {
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     429: "rate_limit_error",
@@ -33,6 +36,34 @@ _TYPES = {
 }
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*(\[\d+\])?(\.[a-z_][a-z0-9_]*(\[\d+\])?)*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong; for a bad field it starts with the field's name.")
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, ...")
+    param: str | None = Field(description="The field at fault (`messages[0].role`), when one is.")
+    code: int = Field(description="The HTTP status.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail = Field(description="The error.")
+
+
+def _documented(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+# Every route's error responses in its OpenAPI entry. The "4XX" entry also keeps FastAPI from
+# documenting its own 422, which this API never sends (a bad field is a 400).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _documented("Bad input: `param` names the field (malformed JSON: no field)."),
+    401: _documented("An API key is required and was missing or wrong (only when the server has one)."),
+    404: _documented("The model named is not served here."),
+    413: _documented("The request body is over the server's limit."),
+    429: _documented("The engines' queues are full: retry after `Retry-After` seconds."),
+    503: _documented("No engine can serve now (starting, failed, replaced): retry after `Retry-After`."),
+    "4XX": _documented("Any other client error, in the same shape."),
+}
 
 
 class ApiError(Exception):
@@ -104,13 +135,19 @@ def param_of(loc: Sequence[Any]) -> str | None:
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
-    """The error that got deepest: of a union's members, the one the input came closest to."""
-    first = max(errors, key=lambda e: len(e.get("loc", ())), default=None)
+    """The error that got deepest: of a union's members, the one the input came closest to. A list
+    over its cap goes first: its shape matched a member, and every other member fails item by item
+    (65 prompts of ids would otherwise read as "prompt[0]: should be an integer")."""
+    first = max(errors, key=lambda e: (e.get("type") == "too_long", len(e.get("loc", ()))), default=None)
     first = first or {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg')}")
-    param = param_of(first.get("loc", ()))
-    if first.get("type") == "extra_forbidden":
+    loc = tuple(first.get("loc", ()))
+    param = param_of(loc)
+    if first.get("type") == "extra_forbidden" and loc:
+        # The unknown key as the client spelt it (any string: `Temperature`, `max-tokens`, unicode).
+        parent = param_of(loc[:-1])
+        param = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
         message = f"{param}: unknown field"
     else:
         message = f"{param or 'body'}: {first.get('msg')}"

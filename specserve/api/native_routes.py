@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specserve.api.client import EngineClient
 from specserve.api.native_schemas import GenerateRequest, GenerateResponse
-from specserve.api.sse import EventStreamResponse
+from specserve.api.sse import STREAMED, EventStreamResponse
 from specserve.api.streams import Job, Opened, collect, merge, start, until_disconnect, with_field_errors
 from specserve.metrics import HttpMetrics, merge_expositions
 from specserve.types import RequestOutput, TokenLogprobs
@@ -21,7 +21,7 @@ from specserve.types import RequestOutput, TokenLogprobs
 def native_router(client: EngineClient, http_metrics: HttpMetrics) -> APIRouter:
     router = APIRouter(tags=["native"])
 
-    @router.post("/generate", response_model=GenerateResponse | list[GenerateResponse])
+    @router.post("/generate", response_model=GenerateResponse | list[GenerateResponse], responses=STREAMED)
     async def generate(body: GenerateRequest, http: Request):
         fields = body.engine_fields()
         jobs = with_field_errors(fields, lambda: _jobs(body))
@@ -44,7 +44,7 @@ def native_router(client: EngineClient, http_metrics: HttpMetrics) -> APIRouter:
     async def health() -> JSONResponse:
         return JSONResponse({"status": "ok", **await client.health()})
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
         # This app's own HTTP counts first: they win over an older copy of them among the client's.
         text = merge_expositions([http_metrics.exposition(), await client.metrics_text()])

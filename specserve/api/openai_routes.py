@@ -26,7 +26,7 @@ from specserve.api.openai_schemas import (
     ModelList,
     OpenAISampling,
 )
-from specserve.api.sse import EventStreamResponse
+from specserve.api.sse import STREAMED, EventStreamResponse
 from specserve.api.streams import Job, collect, start, until_disconnect, with_field_errors
 
 
@@ -39,7 +39,7 @@ def openai_router(client: EngineClient) -> APIRouter:
         card = ModelCard(id=info.name, created=info.created, max_model_len=info.max_model_len)
         return ModelList(data=[card])
 
-    @router.post("/v1/completions", response_model=CompletionResponse)
+    @router.post("/v1/completions", response_model=CompletionResponse, responses=STREAMED)
     async def completions(body: CompletionRequest, http: Request):
         head = await _head(client, body, "cmpl")
         prompts = body.prompts()
@@ -49,7 +49,7 @@ def openai_router(client: EngineClient) -> APIRouter:
             return EventStreamResponse(completion_chunks(head, opened, body.logprobs, body.include_usage))
         return completion_response(head, await until_disconnect(http, collect(opened)), body.logprobs)
 
-    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMED)
     async def chat_completions(body: ChatCompletionRequest, http: Request):
         head = await _head(client, body, "chatcmpl")
         prompt = ChatPrompt(tuple(m.as_template_message() for m in body.messages))

@@ -15,6 +15,21 @@ from specserve.api.errors import ApiError, engine_error
 log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
+# A streaming route's OpenAPI entry: with `stream: true` the 200 is an event stream, not JSON.
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "string",
+                    "description": '`data: <chunk JSON>` frames, an error in-band as `data: {"error": ...}`, '
+                    "then `data: [DONE]`.",
+                }
+            }
+        },
+        "description": "The result; with `stream: true`, server-sent events.",
+    }
+}
 
 
 def sse_data(obj: Any) -> str:

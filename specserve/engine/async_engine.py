@@ -4,7 +4,10 @@ The engine is not thread-safe, so only the loop thread touches it. The asyncio s
 (add, abort, flush, stop) to a thread-safe queue, which the thread drains between steps; each step's
 outputs go back to the requests' asyncio queues through `loop.call_soon_threadsafe` (one call per
 event loop per step). Tokenisation and chat templating happen in the thread, so the event loop never
-runs tokenizer code. A step that raises fails the requests it may have touched and the loop goes on.
+runs tokenizer code. A step that raises fails the requests it may have touched and the loop goes on
+(or, with `fail_on_step_error`, the whole engine fails: what a Ray Serve replica wants, so that it is
+replaced). `fail(reason)` ends every open request at once from the callers' side, without waiting on
+the engine thread, which may be stuck in a collective with a dead TP rank.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.api.client import ChatPrompt, EngineOverloaded, EngineUnavailable, ModelInfo, Prompt
+from specserve.api.client import (
+    ChatPrompt,
+    EngineOverloaded,
+    EngineStepError,
+    EngineUnavailable,
+    ModelInfo,
+    Prompt,
+)
 from specserve.engine.engine import Engine
 from specserve.metrics import LOCAL, EngineMetrics, fleet_exposition, merge_expositions
 from specserve.model.tokenizer import chat_prompt_ids
@@ -30,10 +40,6 @@ from specserve.types import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 _RECENT_TTFT = 64  # first-token latencies kept for health()
-
-
-class EngineStepError(RuntimeError):
-    """The engine step that was computing this request raised; the request was aborted."""
 
 
 @dataclass
@@ -57,14 +63,16 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_result(result)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: an abort names the stream it is for
 class _Stream:
     """A request's outputs on their way to its `generate` iterator."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    admitted: asyncio.Future  # settled by the thread when it admits or refuses the request
     started: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when its latest output with tokens was delivered
+    failed: bool = False  # `AsyncEngine.fail` ended it (set on its loop)
 
 
 @dataclass
@@ -80,6 +88,9 @@ class _Add:
 class _Abort:
     request_id: str
     reply: _Reply | None = None
+    # A closed `generate` aborts only its own request: the id may belong to another caller (a client
+    # reusing an id it does not own was refused, and must not abort the owner's request on leaving).
+    stream: _Stream | None = None
 
 
 @dataclass
@@ -106,12 +117,21 @@ class AsyncEngine:
         replica: str = LOCAL,
         max_queued_requests: int = 256,
         retry_after: float = 1.0,
+        fail_on_step_error: bool = False,
+        keepalive_s: float | None = None,
     ) -> None:
+        """`fail_on_step_error`: a failed step fails the engine for good (`fail`), not only the requests
+        it ran. `keepalive_s`: while idle, ping the TP followers this often (`Engine.keepalive`), so
+        their wait for the next step never reaches the group's collective timeout."""
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
+        if keepalive_s is not None and keepalive_s <= 0:
+            raise ValueError("keepalive_s: must be > 0")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.retry_after = retry_after
+        self.fail_on_step_error = fail_on_step_error
+        self.keepalive_s = keepalive_s
         self._info = ModelInfo(
             name=model_name or _model_name(engine.config.model),
             max_model_len=engine.max_model_len,
@@ -131,6 +151,8 @@ class AsyncEngine:
         self._crashed = False
         self._posted = self._handled = 0
         self._idle = True
+        self._failure: str | None = None  # why `fail` was called; under _cv
+        self._open: set[_Stream] = set()  # streams of open `generate` calls, any loop; under _cv
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
@@ -144,26 +166,28 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(loop, asyncio.Queue())
-        admitted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, stream, _Reply(loop, admitted)))
-        done = False
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        self._open_stream(stream)
+        done = False  # the engine thread told this caller the request is over: nothing to abort
         try:
+            self._post(_Add(request_id, prompt, params, stream, _Reply(loop, stream.admitted)))
             try:
-                await admitted
+                await stream.admitted
             except Exception:
-                done = True  # refused: nothing to abort
+                done = not stream.failed  # refused by the thread; after `fail`, it may admit it yet
                 raise
             while not done:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    done = True
+                    done = not stream.failed
                     raise item
                 done = item.finished
                 yield item
         finally:
-            if not done:  # closed or cancelled early (a client went away): free its pages
-                self._post(_Abort(request_id), quiet=True)
+            with self._cv:
+                self._open.discard(stream)
+            if not done:  # closed or cancelled early (a client went away), or failed: free its pages
+                self._post(_Abort(request_id, stream=stream), quiet=True)
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda reply: _Abort(request_id, reply))
@@ -177,6 +201,8 @@ class AsyncEngine:
         return await self._call(lambda reply: _Call(self._kv_report, reply))
 
     async def health(self) -> dict[str, Any]:
+        if self._failure is not None:
+            raise EngineUnavailable(f"the engine failed: {self._failure}")
         if not (self._accepting and self._thread.is_alive()):
             raise EngineUnavailable("the engine is not running")
         return dict(self._load)
@@ -188,6 +214,35 @@ class AsyncEngine:
         return merge_expositions([self.metrics.exposition(), up])
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (`fail`), or None while it serves."""
+        return self._failure
+
+    def fail(self, reason: str) -> None:
+        """Fail the engine for good, from any thread: every open request ends now with a 503
+        (`EngineUnavailable(reason)`), new ones are refused and `health` raises. Nothing here waits on
+        the engine thread, which may be stuck in a collective with a dead TP rank; if it is alive, it
+        aborts the requests as their streams close, so their pages are freed."""
+        if self._set_failure(reason):
+            self._end_open_streams()
+
+    def _set_failure(self, reason: str) -> bool:
+        """Record the failure (health and admission see it from now on); False if one was already."""
+        with self._cv:
+            if self._failure is not None:
+                return False
+            self._failure = reason
+        log.error("the engine failed: %s", reason)
+        return True
+
+    def _end_open_streams(self) -> None:
+        with self._cv:
+            reason, streams = self._failure, list(self._open)
+        for stream in streams:
+            with contextlib.suppress(RuntimeError):  # that caller's loop is closed: nobody is waiting
+                stream.loop.call_soon_threadsafe(_fail_stream, stream, reason)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Abort every request (their iterators end with finish_reason "abort"), stop the thread."""
@@ -204,6 +259,12 @@ class AsyncEngine:
             return done and not self._crashed
 
     # ---- the asyncio side --------------------------------------------------------------------
+
+    def _open_stream(self, stream: _Stream) -> None:
+        with self._cv:
+            if self._failure is not None:
+                raise EngineUnavailable(f"the engine failed: {self._failure}")
+            self._open.add(stream)
 
     def _post(self, command: Any, quiet: bool = False) -> None:
         with self._cv:
@@ -227,6 +288,8 @@ class AsyncEngine:
         try:
             while True:
                 commands = self._take_commands(block=not self.engine.has_unfinished())
+                if not commands and not self.engine.has_unfinished():
+                    self._keepalive()  # idle for keepalive_s
                 stop = any(isinstance(c, _Stop) for c in commands)
                 for command in commands:
                     if not isinstance(command, _Stop):
@@ -247,7 +310,12 @@ class AsyncEngine:
             self._close()
 
     def _take_commands(self, block: bool) -> list[Any]:
-        commands = [self._commands.get()] if block else []
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=self.keepalive_s))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -259,7 +327,7 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(command, refuse)
             elif isinstance(command, _Abort):
-                found = self.engine.abort(command.request_id)
+                found = self._abort(command)
                 if command.reply is not None:
                     command.reply.send(found)
             elif isinstance(command, _Call):
@@ -270,14 +338,24 @@ class AsyncEngine:
             if reply is not None:
                 reply.send(error=exc)
 
+    def _abort(self, command: _Abort) -> bool:
+        if command.stream is not None and self._streams.get(command.request_id) is not command.stream:
+            return False  # that id is not (or no longer) this caller's request
+        return self.engine.abort(command.request_id)
+
     def _add(self, command: _Add, refuse: bool) -> None:
-        if refuse:
-            command.reply.send(error=EngineUnavailable("the engine is shutting down"))
+        if refuse or self._failure is not None:
+            why = "is shutting down" if refuse else f"failed: {self._failure}"
+            command.reply.send(error=EngineUnavailable(f"the engine {why}"))
             return
-        waiting = self.engine.load()["num_waiting"]
-        if waiting >= self.max_queued_requests:
+        # Queued = waiting beyond the running slots still free: requests that arrive together (one
+        # batch of commands, before any step) may fill those slots and the queue, not the queue alone.
+        load = self.engine.load()
+        free = max(0, self.engine.config.scheduler.max_running_requests - load["num_running"])
+        queued = max(0, load["num_waiting"] - free)
+        if queued >= self.max_queued_requests:
             overloaded = EngineOverloaded(
-                f"{waiting} requests are already waiting (max_queued_requests={self.max_queued_requests})",
+                f"{queued} requests are already queued (max_queued_requests={self.max_queued_requests})",
                 self.retry_after,
             )
             command.reply.send(error=overloaded)
@@ -301,7 +379,17 @@ class AsyncEngine:
         except Exception as exc:
             log.exception("an engine step failed; failing the requests it was running")
             self.metrics.step_errors.inc()
-            self._fail_running(EngineStepError(f"engine step failed: {exc!r}"))
+            # Failed first, so that a caller told of the failure below already finds the engine failed.
+            failing = self.fail_on_step_error and self._set_failure(f"an engine step failed: {exc!r}")
+            self._fail_running(EngineStepError(f"engine step failed: {exc!r}"))  # its requests
+            if failing:
+                self._end_open_streams()  # and every other open one
+
+    def _keepalive(self) -> None:
+        try:
+            self.engine.keepalive()
+        except Exception as exc:  # a TP rank is gone: this engine cannot step any more
+            self.fail(f"the TP group is broken: {exc!r}")
 
     def _fail_running(self, error: EngineStepError) -> None:
         """Abort the running batch (their pages are freed) and fail every request the engine no
@@ -400,6 +488,16 @@ class AsyncEngine:
         for stream in self._streams.values():
             self._send(stream.loop, [(stream.queue, unavailable)])
         self._streams.clear()
+
+
+def _fail_stream(stream: _Stream, reason: str) -> None:
+    """On the stream's loop: end its `generate` with a 503, whether it awaits admission or outputs."""
+    stream.failed = True
+    error = EngineUnavailable(f"the engine failed: {reason}")
+    if not stream.admitted.done():
+        stream.admitted.set_exception(error)
+        stream.admitted.exception()  # retrieved: a caller that left meanwhile never awaits it
+    stream.queue.put_nowait(error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -312,6 +312,11 @@ class Engine:
         """Release the TP followers (their loops return); the engine cannot step afterwards."""
         self.runner.shutdown()
 
+    def keepalive(self) -> None:
+        """Tell idle TP followers that rank 0 is alive (their wait for a step is a collective with a
+        timeout); nothing at TP size 1."""
+        self.runner.keepalive()
+
     def flush_cache(self) -> bool:
         self.kv.flush()
         return True

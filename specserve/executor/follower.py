@@ -26,10 +26,13 @@ from specserve.model.loader import load_model
 from specserve.model.parallel import TPInfo
 
 
-def run_follower(config: EngineConfig | Mapping, rank: int, size: int, address: str) -> int:
+def run_follower(
+    config: EngineConfig | Mapping, rank: int, size: int, address: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> int:
     """Serve one engine as TP rank `rank` of `size` (rendezvous at `address`, `tcp://host:port`);
-    returns the number of steps run once rank 0 calls `Engine.shutdown()`."""
-    return run_followers([config], rank, size, address)[0]
+    returns the number of steps run once rank 0 calls `Engine.shutdown()`. `timeout_s`: the group's
+    collective timeout, the same on every rank."""
+    return run_followers([config], rank, size, address, timeout_s)[0]
 
 
 def run_followers(

@@ -3,7 +3,8 @@
 Per step, rank 0 broadcasts a header [command, *StepInput.layout()] and then the step's packed int64
 buffer (ids, logit rows, positions and the attention layout, exactly what `build_step_input` copied
 to the device); every rank then runs the forward (row-parallel all-reduces inside) and the logits
-(one all-gather). A header with command SHUTDOWN ends the followers' loop. The EAGLE-3 capture
+(one all-gather). A header with command SHUTDOWN ends the followers' loop; KEEPALIVE, sent while rank 0
+is idle, only restarts their wait (which is a collective, bounded by the group's timeout). The EAGLE-3 capture
 list is not sent: it changes which residual streams rank 0 keeps, never which collectives run.
 """
 
@@ -25,7 +26,7 @@ from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.parallel import TPInfo
 
-SHUTDOWN, STEP = 0, 1
+SHUTDOWN, STEP, KEEPALIVE = 0, 1, 2
 HEADER_LEN = 1 + STEP_LAYOUT_LEN
 
 StepResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -65,6 +66,9 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release the followers (none at size 1)."""
 
+    def keepalive(self) -> None:
+        """Ping idle followers (none at size 1)."""
+
 
 class DriverRunner(ModelRunner):
     """TP rank 0: tell the followers each step before running it alongside them."""
@@ -92,6 +96,10 @@ class DriverRunner(ModelRunner):
         if not self.closed:
             self._send_header(SHUTDOWN, [0] * STEP_LAYOUT_LEN)
             self.closed = True
+
+    def keepalive(self) -> None:
+        if not self.closed:
+            self._send_header(KEEPALIVE, [0] * STEP_LAYOUT_LEN)
 
     def _send_header(self, command: int, layout: list[int]) -> None:
         header = torch.tensor([command, *layout], dtype=torch.int64, device=self.kv_cache.k.device)
@@ -128,6 +136,8 @@ def follower_loop(
         command, *layout = header.tolist()
         if command == SHUTDOWN:
             return steps
+        if command == KEEPALIVE:
+            continue
         packed = torch.empty(packed_size(layout), dtype=torch.int64, device=device)
         dist.broadcast(packed, src=src, group=tp.group)
         runner.execute(unpack_step_input(layout, packed))

@@ -1,7 +1,10 @@
 """A TP group's torch.distributed setup: rendezvous address, init, teardown, and one agreement.
 
-A replica's ranks form their own default (world) group, so `TPInfo.group` stays None and every
-collective uses the default group.
+A replica's ranks form their own default (world) group; every collective runs on a second group of
+the same ranks (`TPInfo.group`), made with the step timeout. Two timeouts because joining and
+stepping differ: a rank may take minutes to start (a new worker process, CUDA init), while a step
+that waits that long on a rank means the rank is hung, and its replica should fail and be replaced.
+Idle followers never reach the step timeout: rank 0 pings them (`Engine.keepalive`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch.distributed as dist
 
 from specserve.model.parallel import NO_TP, TPInfo
 
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = 300.0  # longest one collective waits for a rank (ServeConfig.tp_timeout_s)
+SETUP_TIMEOUT_S = 600.0  # longest joining the group waits for every rank
 
 
 def pick_rendezvous_address(host: str = "127.0.0.1") -> str:
@@ -39,8 +43,10 @@ def init_tp_group(
     device: torch.device | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> TPInfo:
-    """Join the group at `address` (rank 0 hosts the store there); blocks until every rank joined.
-    `device`: this rank's GPU, made current before NCCL starts (ignored by gloo)."""
+    """Join the group at `address` (rank 0 hosts the store there); blocks until every rank joined
+    (at most max(timeout_s, SETUP_TIMEOUT_S)). `timeout_s` bounds each collective after that: a rank
+    that waits longer on a peer raises. `device`: this rank's GPU, made current before NCCL starts
+    (ignored by gloo)."""
     if size == 1:
         return NO_TP
     if not address.startswith("tcp://"):
@@ -50,10 +56,10 @@ def init_tp_group(
     if backend == "nccl" and device is not None:
         # A bare "cuda" is this process's current GPU (a Ray actor sees only its own, as cuda:0).
         torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
-    dist.init_process_group(
-        backend, init_method=address, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
-    )
-    return TPInfo(rank, size)
+    setup = timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=size, timeout=setup)
+    group = dist.new_group(list(range(size)), timeout=timedelta(seconds=timeout_s), backend=backend)
+    return TPInfo(rank, size, group)
 
 
 def destroy_tp_group(tp: TPInfo) -> None:

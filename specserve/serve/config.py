@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from specserve.api.auth import API_KEY_ENV, check_api_key
+from specserve.api.limits import MAX_BODY_BYTES
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from specserve.executor.tp_group import DEFAULT_TIMEOUT_S
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # The embedded default drafter until trained heads ship: prompt lookup needs no weights.
@@ -126,6 +129,27 @@ class ServeConfig(BaseModel):
     metrics_push_interval_s: float = Field(
         2.0, gt=0, description="How often each replica sends its metrics to the app's metrics hub (/metrics)."
     )
+    tp_timeout_s: float = Field(
+        DEFAULT_TIMEOUT_S,
+        gt=0,
+        description="Longest one TP collective waits for a rank: a hung rank fails its replica after this "
+        "(a dead one fails it at once). Idle followers are pinged every quarter of it; joining the group "
+        "may take longer (10 minutes).",
+    )
+    health_check_period_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often Serve probes each engine replica; one whose engine failed (a dead TP "
+        "follower, a failed step) is replaced after 3 failed probes.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, every endpoint but /health needs `Authorization: Bearer <key>` (401 "
+        f"otherwise). Unset: the ingress replicas' {API_KEY_ENV} variable, if any; else no auth.",
+    )
+    max_body_bytes: int = Field(
+        MAX_BODY_BYTES, ge=1024, description="Largest request body, in bytes; a bigger one is a 413, unread."
+    )
     host: str = Field("127.0.0.1", description="Address the HTTP proxy listens on (`specserve serve`).")
     port: int = Field(8000, ge=1, le=65535, description="Port the HTTP proxy listens on (`specserve serve`).")
 
@@ -133,6 +157,13 @@ class ServeConfig(BaseModel):
     @classmethod
     def _speculative(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
         SpeculativeConfig.from_value(value)  # raises ValueError naming the setting
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            check_api_key(value.get_secret_value())
         return value
 
     @model_validator(mode="after")

@@ -3,7 +3,12 @@
 Serve routes each call to a replica (power of two choices on queue length). A streamed `generate` is
 one handle call; closing it (the HTTP client went away) cancels the call, which cancels the replica's
 generator, which aborts the request and frees its KV pages. Ray's wrappers around errors are taken
-off here, so the routes see the same exceptions as with an in-process engine.
+off here, so the routes see the same exceptions as with an in-process engine (a failed engine step,
+`EngineStepError`, is an `EngineUnavailable`: a 503).
+
+Ray moves our own objects between the ingress and the engine replicas (prompts, `SamplingParams`,
+`RequestOutput`s) by pickling them: the ingress builds them from validated JSON, so no byte a client
+sends is ever unpickled.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class HandleClient:
             finished = True  # the call failed: nothing is left to cancel
             raise translate(err) from err
         finally:
-            self._inflight.pop(request_id, None)
+            if call is not None and self._inflight.get(request_id) is call:  # a reused id is not ours
+                del self._inflight[request_id]
             if call is not None and not finished:
                 _cancel(call)  # reaches the replica's generator: the engine aborts the request
 

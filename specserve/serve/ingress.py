@@ -12,6 +12,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from specserve.api.auth import resolve_api_key
 from specserve.serve.handle_client import HandleClient
 from specserve.serve.metrics_hub import HubReader, MetricsPusher, current_replica
 
@@ -29,7 +30,10 @@ class Ingress:
         app_name, self.replica_id = current_replica()
         self.client = HandleClient(engine, model_name, metrics=HubReader(app_name))
         self.metrics_push_interval_s = metrics_push_interval_s
-        self.api_options = api_options or {}
+        # The key given in the config, else this replica's own SPECSERVE_API_KEY (a secret set in the
+        # cluster's environment need not appear in any config file).
+        self.api_options = dict(api_options or {})
+        self.api_options["api_key"] = resolve_api_key(self.api_options.get("api_key"))
         self.pusher: MetricsPusher | None = None
 
     def __serve_build_asgi_app__(self):

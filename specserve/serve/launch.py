@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from specserve.api.auth import API_KEY_ENV
 from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
 
 if TYPE_CHECKING:
@@ -33,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_speculative_arguments(parser)
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require `Authorization: Bearer KEY` on every endpoint but /health (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
         "--ray-address",
         default=None,
         help="Ray cluster to join (default: a running local one, else a new one)",
@@ -51,6 +58,11 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.model:
         config["model"] = args.model
+    # The environment's key goes into the config: on a cluster joined with --ray-address, the replicas
+    # do not inherit this shell's environment.
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if api_key:
+        config["api_key"] = api_key
     if args.no_speculative:
         config["speculative"] = None
     elif args.speculative:

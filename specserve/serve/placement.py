@@ -9,6 +9,7 @@ node) and hands it to the followers it starts: no fixed port anywhere.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,8 @@ def engine_deployment_options(config: ServeConfig, gpu: bool) -> dict[str, Any]:
         "max_ongoing_requests": config.max_running_requests + config.max_queued_requests + 8,
         # Calls the handles queue while every replica is full; beyond that, BackPressureError -> 503.
         "max_queued_requests": config.max_queued_requests,
-        "health_check_period_s": 5,
+        # A failed engine (dead TP follower, failed step) is replaced after 3 failed probes in a row.
+        "health_check_period_s": config.health_check_period_s,
         "health_check_timeout_s": 30,
         "graceful_shutdown_timeout_s": 10,
     }
@@ -62,10 +64,10 @@ def ingress_deployment_options(config: ServeConfig) -> dict[str, Any]:
 class TPFollower:
     """Rank r > 0 of a replica's TP group: runs the target model's shard in lockstep with rank 0."""
 
-    def run(self, engine_config: Any, rank: int, size: int, address: str) -> int:
+    def run(self, engine_config: Any, rank: int, size: int, address: str, timeout_s: float) -> int:
         from specserve.executor.follower import run_follower
 
-        return run_follower(engine_config, rank, size, address)
+        return run_follower(engine_config, rank, size, address, timeout_s)
 
     def ready(self) -> bool:
         return True
@@ -85,16 +87,56 @@ class FollowerGroup:
             try:
                 ray.get(ref)
             except Exception as err:  # the actor died or its loop raised
-                return f"TP follower failed: {type(err).__name__}: {err}"
-            return "TP follower loop ended"
+                return _why(self.loops.index(ref) + 1, err)
+            return _why(self.loops.index(ref) + 1)
         return None
+
+    async def first_failure(self) -> str:
+        """Wait until a follower stops (its actor dies, its loop raises or ends) and say why: Ray
+        resolves a dead actor's pending call with an error within moments, so this is how rank 0
+        learns of a death even while its own thread is blocked in a collective with that rank."""
+
+        async def outcome(rank: int, ref: ray.ObjectRef) -> str:
+            try:
+                await ref
+            except Exception as err:
+                return _why(rank, err)
+            return _why(rank)
+
+        waits = [asyncio.ensure_future(outcome(r, ref)) for r, ref in enumerate(self.loops, start=1)]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            return done.pop().result()
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
 
-def start_followers(config: ServeConfig, engine_config: Any, address: str, gpu: bool) -> FollowerGroup:
+def _why(rank: int, err: BaseException | None = None) -> str:
+    if err is None:
+        return f"TP follower rank {rank} stopped following"
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, BaseException):
+        err = err.cause  # what the follower's loop raised, not Ray's wrapper
+    first_line = (str(err).strip().splitlines() or [""])[0]  # Ray's actor errors run on for lines
+    return f"TP follower rank {rank} failed: {type(err).__name__}: {first_line}"
+
+
+FOLLOWER_NAMESPACE = "specserve"
+
+
+def follower_name(replica_id: str, rank: int) -> str:
+    """A follower's actor name (in FOLLOWER_NAMESPACE): operators and tests find a replica's ranks by it.
+    The actor is still owned by its replica, so it dies with it (no orphan outlives a replica)."""
+    return f"tp-follower:{replica_id}:rank{rank}"
+
+
+def start_followers(
+    config: ServeConfig, engine_config: Any, address: str, gpu: bool, replica_id: str
+) -> FollowerGroup:
     """Start ranks 1..N-1 in bundles 1..N-1 of this replica's placement group."""
     group = get_current_placement_group()
     actors, loops = [], []
@@ -105,8 +147,12 @@ def start_followers(config: ServeConfig, engine_config: Any, address: str, gpu: 
             else None
         )
         actor = TPFollower.options(
-            num_cpus=config.cpus_per_rank, num_gpus=1 if gpu else 0, scheduling_strategy=strategy
+            name=follower_name(replica_id, rank),
+            namespace=FOLLOWER_NAMESPACE,
+            num_cpus=config.cpus_per_rank,
+            num_gpus=1 if gpu else 0,
+            scheduling_strategy=strategy,
         ).remote()
         actors.append(actor)
-        loops.append(actor.run.remote(engine_config, rank, config.tp_size, address))
+        loops.append(actor.run.remote(engine_config, rank, config.tp_size, address, config.tp_timeout_s))
     return FollowerGroup(actors, loops)
