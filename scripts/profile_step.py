@@ -2,7 +2,8 @@
 on, the host phases of a step (engine StepStats), the pure replay time of a graph bucket (the GPU
 floor), and a torch.profiler table of a few batch-1 steps.
 
-Environment: PROFILE_GRAPHS ("0,1": CUDA graphs off/on), PROFILE_TOKENS (new tokens, default 256).
+Environment: PROFILE_CONFIGS (default "00,10,11": CUDA graphs then overlap scheduling, each 0/1),
+PROFILE_TOKENS (new tokens, default 256).
 """
 
 import json
@@ -63,19 +64,25 @@ questions = [
 loaded = load_model("smollm2-135m-instruct", torch.device("cuda"), torch.bfloat16)
 rows = []
 graphed_llm = None
-for graphs in os.environ.get("PROFILE_GRAPHS", "0,1").split(","):
-    llm = LLM(loaded, cuda_graphs=graphs == "1", max_total_tokens=64 * 1500, max_batched_tokens=8192)
+for graphs, overlap in os.environ.get("PROFILE_CONFIGS", "00,10,11").split(","):
+    llm = LLM(
+        loaded,
+        cuda_graphs=graphs == "1",
+        overlap_schedule=overlap == "1",
+        max_total_tokens=64 * 1500,
+        max_batched_tokens=8192,
+    )
     prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions[:64]]
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
     for bs in (1, 64):
         seconds, phases = timed(llm, prompts[:bs])
-        rows.append((graphs, bs, seconds, phases))
+        rows.append((graphs, overlap, bs, seconds, phases))
     if graphs == "1":
         graphed_llm = llm
-print(f"{'graphs':>7}{'batch':>7}{'tok/s':>10}  host ms per step by phase")
-for graphs, bs, seconds, phases in rows:
+print(f"{'graphs':>7}{'overlap':>8}{'batch':>7}{'tok/s':>10}  host ms per step by phase")
+for graphs, overlap, bs, seconds, phases in rows:
     shown = " ".join(f"{k}={v:.3f}" for k, v in sorted(phases.items()))
-    print(f"{graphs:>7}{bs:>7}{bs * TOKENS / seconds:>10.0f}  {shown}")
+    print(f"{graphs:>7}{overlap:>8}{bs:>7}{bs * TOKENS / seconds:>10.0f}  {shown}")
 if graphed_llm is not None:
     for bucket in ((1, 1), (8, 1), (64, 1)):
         print(f"graph replay {bucket}: {replay_us(graphed_llm, bucket):.1f} us (GPU floor of a step)")
