@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from specserve.api import API_KEY_ENV
 from specserve.api.app import make_app
-from specserve.api.auth import API_KEY_ENV, resolve_api_key
+from specserve.api.auth import resolve_api_key
 from specserve.api.limits import (
     MAX_N,
     MAX_NATIVE_TOP_LOGPROBS,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -107,3 +109,22 @@ def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys
     argv = ["bench", "--model", str(tiny_folder), "--spec", "ngram:4", "--speculative", "ngram"]
     assert main([*argv, "--out", str(tmp_path / "b.json")]) == 2
     assert "specserve-ngram-4 is configured twice" in capsys.readouterr().err
+
+
+def test_bench_and_generate_need_no_http_stack():
+    """The GPU machine has no fastapi, starlette, pydantic or ray: the CLI's parser and the offline
+    bench must import without them (only `specserve serve` needs them)."""
+    code = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.split('.')[0] in ('fastapi', 'starlette', 'pydantic', 'ray', 'uvicorn'):\n"
+        "        raise ImportError('blocked ' + name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\n"
+        "from specserve import cli, bench\n"
+        "cli._parser().parse_args(['bench', 'offline', '--batch-sizes', '1'])\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -14,9 +14,9 @@ import os
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specserve.api import API_KEY_ENV
 from specserve.api.errors import ApiError
 
-API_KEY_ENV = "SPECSERVE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 
 

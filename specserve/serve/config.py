@@ -10,7 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from specserve.api.auth import API_KEY_ENV, check_api_key
+from specserve.api import API_KEY_ENV
+from specserve.api.auth import check_api_key
 from specserve.api.limits import MAX_BODY_BYTES
 from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from specserve.executor.tp_group import DEFAULT_TIMEOUT_S

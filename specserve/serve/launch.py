@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from specserve.api.auth import API_KEY_ENV
+from specserve.api import API_KEY_ENV
 from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
 
 if TYPE_CHECKING:
