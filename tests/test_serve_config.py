@@ -71,6 +71,10 @@ def test_autoscale_file_plugs_in_the_engine_load_policy():
         ({"device": "tpu"}, "device"),
         ({"dtype": "int8"}, "dtype"),
         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling.max_replicas"),
+        (
+            {"autoscaling": {"look_back_period_s": 2, "metrics_interval_s": 2}},
+            "autoscaling.look_back_period_s",
+        ),
         ({"unknown_field": 1}, "unknown_field"),
         ({"tp_timeout_s": 0}, "tp_timeout_s"),
         ({"health_check_period_s": -1}, "health_check_period_s"),

@@ -295,6 +295,7 @@ def test_autoscaling_follows_engine_load(cluster, smollm2_gguf):
             "upscale_delay_s": 1,
             "downscale_delay_s": 2,
             "look_back_period_s": 2,
+            "metrics_interval_s": 0.5,
         },
     )
     url = f"{cluster}/auto"

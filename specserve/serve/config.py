@@ -55,6 +55,8 @@ class AutoscalingSettings(BaseModel):
     def _bounds(self) -> AutoscalingSettings:
         if self.max_replicas < self.min_replicas:
             raise ValueError("autoscaling.max_replicas: must be >= min_replicas")
+        if self.look_back_period_s <= self.metrics_interval_s:  # Ray warns today, and will refuse it
+            raise ValueError("autoscaling.look_back_period_s: must be > metrics_interval_s")
         return self
 
     def serve_config(self, model_name: str | None = None) -> dict[str, Any]:
