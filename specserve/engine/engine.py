@@ -232,7 +232,8 @@ class Engine:
         """Forward and sampling on the device, no host wait; each sampling request gets a FUTURE_TOKEN."""
         rows = previous.rows if previous is not None else None
         inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket, rows)
-        future = previous.future() if previous is not None else None
+        waits = previous is not None and any(item.request.num_pending for item in items)
+        future = previous.future() if waits else None  # else no id needs resolving on the device
         _, _, logits = self.runner.execute(inp, future=future)
         owners = [items[index].request for index in inp.sample_items]
         sample_rows = [req.sampling_row(req.num_output) for req in owners]
@@ -272,12 +273,9 @@ class Engine:
         req = item.request
         if req.finished:
             return None  # aborted, or stopped by the step before (this row was wasted)
-        if records is not None:
-            req.input_logprobs.extend(records.inputs)
-        if item.completes and req.prefill_only:
-            self.kv.commit(req, self._cacheable(req))
-            self._finish(req, {"type": "length", "length": 0})
-            return self._emit(req, [])
+        done = self._record_inputs(item, records)
+        if done is not None:
+            return done
         if token is None:  # a prefill chunk: nothing sampled yet
             self.kv.commit(req, self._cacheable(req))
             return None
@@ -496,12 +494,9 @@ class Engine:
         req = item.request
         # Known tokens now have KV, and so do the accepted drafts (all emitted tokens but the last).
         req.num_computed = item.start + item.num_known + (len(tokens) - 1 if tokens else 0)
-        if records is not None:
-            req.input_logprobs.extend(records.inputs)
-        if item.completes and req.prefill_only:
-            self.kv.commit(req, self._cacheable(req))
-            self._finish(req, {"type": "length", "length": 0})
-            return self._emit(req, [])
+        done = self._record_inputs(item, records)
+        if done is not None:
+            return done
         if tokens and self.drafter is not None and item.num_known == 1 and req.num_output > 0:
             self._count_verify(req, len(item.draft), len(tokens) - 1)  # a decode's verify
         reason, delta = self._append(req, tokens or [], records)
@@ -512,6 +507,18 @@ class Engine:
         elif tokens:
             self.kv.trim(req, len(req.token_ids))
         return self._emit(req, delta) if tokens else None
+
+    def _record_inputs(self, item: ScheduledItem, records: StepLogprobs | None) -> RequestOutput | None:
+        """Keep the step's prompt logprobs; a prefill-only request whose prompt is now done ends here
+        (its final output, else None). Shared by the synchronous and the overlapped postprocess."""
+        req = item.request
+        if records is not None:
+            req.input_logprobs.extend(records.inputs)
+        if not (item.completes and req.prefill_only):
+            return None
+        self.kv.commit(req, self._cacheable(req))
+        self._finish(req, {"type": "length", "length": 0})
+        return self._emit(req, [])
 
     def _append(
         self, req: Request, tokens: list[int], records: StepLogprobs | None
