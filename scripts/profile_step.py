@@ -89,3 +89,13 @@ if graphed_llm is not None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         graphed_llm.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
+if os.environ.get("PROFILE_KERNELS"):
+    # Every kernel of an eager decode step (a graph replays the same list): count and GPU time.
+    eager = LLM(loaded, cuda_graphs=False, overlap_schedule=False, max_total_tokens=64 * 1500)
+    for bs in (1, 64):
+        params = SamplingParams(max_new_tokens=11, temperature=0.0, ignore_eos=True)
+        eager.generate(prompts[:bs], params)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eager.generate(prompts[:bs], params)
+        print(f"eager kernels, batch {bs}, prefill + 10 decode steps:")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))

@@ -225,3 +225,38 @@ def test_bench_decode_step(smollm2_bf16, batch, context):
             for req in reqs:
                 engine.kv.free(req)
     _row(f"decode step (30 layers) B={batch} ctx={context}", figures["triton"], figures["torch"])
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_bench_fused_linear_layer(tokens):
+    """A decoder layer's four matmuls with their norms, activation and residual adds: fused
+    (`fused_linear`, four launches) against the (x, residual) path (cuBLAS, fused norms, silu_mul)."""
+    import torch.nn.functional as F
+
+    from specserve_kernels.fused_linear import fused_linear
+    from specserve_kernels.silu_mul import silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=DTYPE, generator=g) * scale
+
+    inter = 1536
+    w_qkv, w_o = rand((HEADS + 2 * KV_HEADS) * DIM, HIDDEN, scale=0.04), rand(HIDDEN, HEADS * DIM, scale=0.04)
+    w_gu, w_d = rand(2 * inter, HIDDEN, scale=0.04), rand(HIDDEN, inter, scale=0.03)
+    ln1, ln2 = rand(HIDDEN), rand(HIDDEN)
+    stream, attn = rand(tokens, HIDDEN), rand(tokens, HEADS * DIM)
+
+    def fused():
+        fused_linear(stream, w_qkv, norm=(ln1, 1e-5))
+        s = fused_linear(attn, w_o, residual=stream)
+        act = fused_linear(s, w_gu, norm=(ln2, 1e-5), gated=True)
+        return fused_linear(act, w_d, residual=s)
+
+    def unfused():
+        h, r = add_rms_norm(stream, None, ln1, 1e-5)
+        F.linear(h, w_qkv)
+        h, r = add_rms_norm(F.linear(attn, w_o), r, ln2, 1e-5)
+        return F.linear(silu_mul(F.linear(h, w_gu)), w_d), r
+
+    _row(f"layer matmuls + norms T={tokens}", _us(fused), _us(unfused))

@@ -116,8 +116,8 @@ def test_references_serve_without_the_interpreter(tiny_llama, monkeypatch):
 
 
 def test_fused_forward_keeps_hidden_and_captured_streams(target, triton_cpu):
-    """forward_features through the fused path (also with split-K attention): final hidden states
-    and the EAGLE-3 residual streams."""
+    """forward_features through the fused paths — the stream through fused matmuls, (x, residual)
+    with fused norms, and split-K attention: final hidden states and the EAGLE-3 residual streams."""
     engine = _llm(target, "torch", 16).engine
     reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=1), seed=0) for i, p in enumerate(PROMPTS)]
     try:
@@ -125,13 +125,21 @@ def test_fused_forward_keeps_hidden_and_captured_streams(target, triton_cpu):
             assert engine.kv.reserve(req, req.prompt_len)
         inp = build_step_input([ScheduledItem.of(r, r.prompt_len) for r in reqs], 16, engine.device)
         results = []
-        for backend in (TorchAttentionBackend(), TritonAttentionBackend(), TritonAttentionBackend(splits=3)):
+        backends = (
+            TorchAttentionBackend(),
+            TritonAttentionBackend(fused_linear_tokens=len(inp.input_ids)),
+            TritonAttentionBackend(fused_linear_tokens=0),
+            TritonAttentionBackend(splits=3, fused_linear_tokens=0),
+        )
+        for backend in backends:
             ctx = backend.prepare(inp.attention, engine.kv_cache)
             results.append(engine.model.forward_features(inp.input_ids, inp.positions, ctx, (0, 2)))
     finally:
         for req in reqs:
             engine.kv.free(req)
     (hidden, aux), *fused = results
+    assert backends[1].prepare(inp.attention, engine.kv_cache).fused_linear is not None
+    assert backends[2].prepare(inp.attention, engine.kv_cache).fused_linear is None
     for fused_hidden, fused_aux in fused:
         torch.testing.assert_close(fused_hidden, hidden, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused_aux, aux, rtol=1e-5, atol=1e-5)

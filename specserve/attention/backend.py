@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 AddRMSNorm = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
 ]
+
+
+class FusedLinear(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        norm: tuple[torch.Tensor, float] | None = None,
+        residual: torch.Tensor | None = None,
+        gated: bool = False,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ class AttentionBatch:
 class AttentionContext(ABC):
     """What the model calls once per layer; built by a backend for one step.
 
-    Two optional fusions, off by default (the model then runs its plain modules): a backend that
+    Optional fusions, off by default (the model then runs its plain modules): a backend that
     applies RoPE inside its KV write sets `fuses_rotary`, and the model calls `attend_rotary` with
     the unrotated q/k; a backend that sets `add_rms_norm` has the decoder carry its residual stream
     as (x, residual) and run each residual add + RMSNorm through that function (and the MLP's
@@ -60,6 +72,10 @@ class AttentionContext(ABC):
     add_rms_norm: AddRMSNorm | None = None
     # gate_up [T, 2I] -> silu(gate) * up [T, I], for the MLPs of layers run with `add_rms_norm`.
     silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # `specserve_kernels.fused_linear`'s signature: a backend that also sets this (with `add_rms_norm`)
+    # has the decoder (at TP size 1) carry one stream through four matmuls per layer, each norm and
+    # residual add fused into one (`DecoderLayer.forward_stream`).
+    fused_linear: FusedLinear | None = None
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

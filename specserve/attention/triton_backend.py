@@ -5,6 +5,10 @@ with the KV write (`specserve_kernels.rope_store`), then paged attention straigh
 pages (`specserve_kernels.paged_attention`: prefill, decode and verify, causal or a tree mask). It
 also hands the decoder the fused residual-add + RMSNorm (`specserve_kernels.rms_norm`), so each
 layer's two norms are one launch each too, and the MLP's fused silu(gate) * up (`specserve_kernels.silu_mul`).
+Steps of at most `FUSED_LINEAR_TOKENS` tokens (decode and verify at small batch, bound by launches)
+go further: the decoder carries one residual stream through four matmuls per layer with each norm,
+the activation and each residual add fused in (`specserve_kernels.fused_linear`), so a layer is
+those four plus RoPE/KV write and attention.
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
@@ -24,6 +28,7 @@ import torch
 from specserve.attention.backend import AttentionBackend, AttentionBatch, AttentionContext
 from specserve.engine.kv_cache import KVCache
 from specserve_kernels import use_triton
+from specserve_kernels.fused_linear import fused_linear, fused_linear_ref
 from specserve_kernels.paged_attention import num_splits, paged_attention, paged_attention_ref
 from specserve_kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from specserve_kernels.rope_store import rope_kv_store, rope_kv_store_ref
@@ -31,6 +36,9 @@ from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 
 if TYPE_CHECKING:
     from specserve.model.layers import RotaryEmbedding
+
+# Steps up to this many tokens run the fused matmuls (the decode / verify graph buckets at small batch).
+FUSED_LINEAR_TOKENS = 64
 
 
 class TritonAttentionContext(AttentionContext):
@@ -43,6 +51,7 @@ class TritonAttentionContext(AttentionContext):
         kernels: bool,
         fused_norm: bool,
         splits: int | None = None,
+        fused_linear_tokens: int = 0,
     ) -> None:
         self.batch = batch
         self.k_layers, self.v_layers = layers
@@ -51,6 +60,8 @@ class TritonAttentionContext(AttentionContext):
         if fused_norm:
             self.add_rms_norm = add_rms_norm if kernels else add_rms_norm_ref
             self.silu_mul = silu_mul if kernels else silu_mul_ref
+            if batch.slot_mapping.shape[0] <= fused_linear_tokens:
+                self.fused_linear = fused_linear if kernels else fused_linear_ref
         self.splits = splits  # None: chosen at the first layer, once the head counts are known
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,13 +91,20 @@ class TritonAttentionContext(AttentionContext):
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """`fused_norm`: also hand the decoder layers the fused residual-add + RMSNorm. `splits` fixes
-    the number of key slices per attention program (None: chosen per step from the batch shape)."""
+    """`fused_norm`: also hand the decoder layers the fused residual-add + RMSNorm; and, for steps of
+    at most `fused_linear_tokens` tokens, the matmuls with the norms and adds fused in (where a step
+    is bound by launches: decode and verify batches; larger steps keep cuBLAS). `splits` fixes the
+    number of key slices per attention program (None: chosen per step from the batch shape)."""
 
     name = "triton"
 
-    def __init__(self, fused_norm: bool = True, splits: int | None = None) -> None:
-        self.fused_norm, self.splits = fused_norm, splits
+    def __init__(
+        self,
+        fused_norm: bool = True,
+        splits: int | None = None,
+        fused_linear_tokens: int = FUSED_LINEAR_TOKENS,
+    ) -> None:
+        self.fused_norm, self.splits, self.fused_linear_tokens = fused_norm, splits, fused_linear_tokens
         self._kv: KVCache | None = None
         self._layers: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
 
@@ -94,4 +112,6 @@ class TritonAttentionBackend(AttentionBackend):
         if kv is not self._kv:  # one view per layer, made once per cache rather than per call
             self._kv, self._layers = kv, (kv.k.unbind(0), kv.v.unbind(0))
         kernels = use_triton(kv.k.device)
-        return TritonAttentionContext(batch, self._layers, kernels, self.fused_norm, self.splits)
+        return TritonAttentionContext(
+            batch, self._layers, kernels, self.fused_norm, self.splits, self.fused_linear_tokens
+        )

@@ -48,8 +48,14 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, rope, ctx))
+
+    def attend(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The projected q/k/v [T, q + 2 kv] → attention output [T, heads * head_dim] (before o_proj)."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -58,7 +64,7 @@ class Attention(nn.Module):
         else:
             q, k = rope(positions, q, k)
             out = ctx.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return out.reshape(tokens, self.num_heads * self.head_dim)
 
 
 class SwiGLU(nn.Module):
@@ -114,6 +120,20 @@ class DecoderLayer(nn.Module):
         h, residual = ctx.add_rms_norm(x, residual, norm2.weight, norm2.eps)
         return self.mlp(h, ctx.silu_mul), residual
 
+    def forward_stream(
+        self, stream: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The same layer in four fused matmuls (`ctx.fused_linear`), each norm folded into the matmul
+        after it and each residual add into the one before: stream in, stream out. TP size 1 only
+        (a row-parallel matmul's all-reduce must come before its residual add)."""
+        linear, attn, mlp = ctx.fused_linear, self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        first_norm = (norm1.weight, norm1.eps) if isinstance(norm1, RMSNorm) else None
+        qkv = linear(stream, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm=first_norm)
+        stream = linear(attn.attend(qkv, positions, rope, ctx), attn.o_proj.weight, residual=stream)
+        act = linear(stream, mlp.gate_up_proj.weight, norm=(norm2.weight, norm2.eps), gated=True)
+        return linear(act, mlp.down_proj.weight, residual=stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, tp: TPInfo = NO_TP) -> None:
@@ -165,6 +185,12 @@ class LlamaForCausalLM(nn.Module):
                 if i in capture:
                     captured[i] = x
             hidden = self.model.norm(x)
+        elif ctx.fused_linear is not None and self.tp.size == 1:  # one stream, norms and adds in the matmuls
+            for i, layer in enumerate(self.model.layers):
+                x = layer.forward_stream(x, positions, self.rope, ctx)
+                if i in capture:
+                    captured[i] = x
+            hidden, _ = ctx.add_rms_norm(x, None, self.model.norm.weight, self.model.norm.eps)
         else:  # the stream travels as (x, residual), each add fused into the norm after it
             residual = None
             for i, layer in enumerate(self.model.layers):
