@@ -170,9 +170,9 @@ class EngineConfig:
             self.overlap_schedule in (None, True, False), "overlap_schedule", "must be null, true or false"
         )
         _require(
-            self.overlap_schedule is not True or (self.speculative is None and self.tp_size == 1),
+            self.overlap_schedule is not True or self.speculative is None,
             "overlap_schedule",
-            "works without speculative decoding at tp_size 1 only (so far)",
+            "works without speculative decoding only (so far)",
         )
         _require(
             isinstance(self.cuda_graph_max_batch, int) and self.cuda_graph_max_batch >= 1,
@@ -226,7 +226,7 @@ class EngineConfig:
     def use_overlap(self) -> bool:
         if self.overlap_schedule is not None:
             return self.overlap_schedule
-        return self.speculative is None and self.tp_size == 1
+        return self.speculative is None
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

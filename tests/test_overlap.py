@@ -140,7 +140,7 @@ def test_a_failed_launch_hands_out_the_step_before_then_raises(target):
 def test_settings():
     from specserve.config import EngineConfig, SpeculativeConfig
 
-    assert EngineConfig().use_overlap()
+    assert EngineConfig().use_overlap() and EngineConfig(tp_size=2).use_overlap()
     assert not EngineConfig(speculative=SpeculativeConfig(method="ngram")).use_overlap()
     with pytest.raises(ValueError, match="overlap_schedule"):
         EngineConfig(overlap_schedule=True, speculative=SpeculativeConfig(method="ngram"))

@@ -68,13 +68,14 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def _config(model: str, tp_size: int, page_size: int, speculative=None) -> EngineConfig:
+def _config(model: str, tp_size: int, page_size: int, speculative=None, overlap=None) -> EngineConfig:
     return EngineConfig(
         model=model,
         device="cpu",
         dtype="float32",
         tp_size=tp_size,
         speculative=speculative,
+        overlap_schedule=overlap,
         cache=CacheConfig(page_size=page_size, max_total_tokens=2048),
         # A 16-token budget splits the longer prompts into several prefill chunks.
         scheduler=SchedulerConfig(max_batched_tokens=16),
@@ -99,6 +100,7 @@ def _run_tp2(configs: list[EngineConfig], prompts: list[list[int]]) -> list[tupl
         for config in configs:
             engine = Engine(config, tp=tp)
             try:
+                assert engine._overlap is config.use_overlap()
                 # Rank 0 really holds a shard: fewer KV heads in its cache, a broadcasting runner.
                 assert engine.kv_cache.k.shape[2] < engine.arch.num_kv_heads
                 assert isinstance(engine.runner, DriverRunner)
@@ -111,10 +113,13 @@ def _run_tp2(configs: list[EngineConfig], prompts: list[list[int]]) -> list[tupl
 
 @pytest.mark.parametrize("model", ["llama3-4q2kv", "qwen2-6q3kv"])
 def test_tp2_equals_tp1(models, prompts, model):
-    configs = [_config(models[model], 2, page_size) for page_size in (1, 16)]
+    """Page size 1 steps synchronously; page size 16 with overlap scheduling (the default without
+    speculation), where rank 0 resolves each step's future ids before broadcasting it."""
+    configs = [_config(models[model], 2, 1, overlap=False), _config(models[model], 2, 16)]
+    assert configs[1].use_overlap()
     got = _run_tp2(configs, prompts)
     for config, (outs, logits) in zip(configs, got, strict=True):
-        reference = Engine(dataclasses.replace(config, tp_size=1))
+        reference = Engine(dataclasses.replace(config, tp_size=1, overlap_schedule=False))
         expected = _generate(reference, prompts)
         assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
         assert max_rel_error(logits, last_logits(reference, prompts)) < 1e-5

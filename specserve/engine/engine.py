@@ -90,7 +90,7 @@ class Engine:
         self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs)
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
-        self._overlap = config.use_overlap() and self.drafter is None and self.tp.size == 1
+        self._overlap = config.use_overlap() and self.drafter is None
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}

@@ -54,7 +54,7 @@ class ModelRunner:
         self, step: StepInput, capture: tuple[int, ...] = (), future: torch.Tensor | None = None
     ) -> StepResult:
         """`future`: the tokens an earlier step sampled, still on the device; ids -(k + 1) of this
-        step stand for future[k] (overlap scheduling, TP size 1)."""
+        step stand for future[k] (overlap scheduling)."""
         if step.graphed:
             return self.graphs.run(step, capture, future)
         if future is not None:
@@ -85,9 +85,15 @@ class DriverRunner(ModelRunner):
         self.tp, self.closed = tp, False
         self.src = _driver_rank(tp)
 
-    def execute(self, step: StepInput, capture: tuple[int, ...] = ()) -> StepResult:
+    def execute(
+        self, step: StepInput, capture: tuple[int, ...] = (), future: torch.Tensor | None = None
+    ) -> StepResult:
+        """`future`: as at size 1; the ids are resolved (on the device, in the packed buffer) before
+        the broadcast, so followers never see a future id and need no sampled tokens of their own."""
         if self.closed:
             raise RuntimeError("the TP group was shut down")
+        if future is not None:
+            resolve_future_ids(step.input_ids, future)
         self._send_header(STEP, step.layout())
         dist.broadcast(step.packed, src=self.src, group=self.tp.group)
         return super().execute(step, capture)
