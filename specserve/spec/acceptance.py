@@ -1,0 +1,121 @@
+"""Live estimates of how far drafts get accepted: per draft position, per request and pooled.
+
+A verify that drafted n tokens and accepted m says, for positions 1..m, "accepted given the ones
+before were", and for position m + 1 (when m < n) "rejected given the ones before were"; positions
+past m + 1 were never tested. Each position's conditional acceptance a_i is an exponential moving
+average of those outcomes: one per request (what its text lets a drafter predict) and one pooled
+over all requests (the prior a new request starts from). Tree drafts (topk > 1) accept differently
+from chains, so every estimate is kept per topk.
+
+The expected tokens one verify of a k-step draft emits is then 1 + sum_{j<=k} prod_{i<=j} a_i: the
+bonus (or corrected) token always, and draft j when all drafts up to j survive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class AcceptanceTracker:
+    """`request_alpha` / `pooled_alpha`: how fast a request's own and the pooled evidence fade (per
+    verify observed). `prior`: the rate before anything was observed at a topk; optimistic, so every
+    tier gets tried and then judged on what it measured. `strength`: how many observations the
+    prior is worth against the evidence.
+
+    Each position's rate is (accepted + strength * prior) / (tested + strength) over faded counts:
+    a request's prior is the pool's rate, the pool's prior at a position is its own rate at the
+    position before (acceptance rarely rises with depth). Evidence fades with every verify, tested
+    or not, so a position the current draft length never reaches drifts back to its prior rather
+    than keeping one unlucky outcome forever — which would stop the policy from ever trying longer
+    drafts again."""
+
+    def __init__(
+        self,
+        max_positions: int,
+        request_alpha: float = 0.1,
+        pooled_alpha: float = 0.02,
+        prior: float = 0.7,
+        strength: float = 2.0,
+    ) -> None:
+        self.max_positions = max_positions
+        self.request_alpha, self.pooled_alpha = request_alpha, pooled_alpha
+        self.prior, self.strength = prior, strength
+        self._pooled: dict[int, _Counts] = {}
+        self._requests: dict[tuple[str, int], _Counts] = {}
+
+    def observe(self, request_id: str, topk: int, drafted: int, accepted: int) -> None:
+        """One verify of `request_id`'s draft of `drafted` tokens (depth, for a tree), `accepted` kept."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
+        tested = min(drafted, accepted + 1, self.max_positions)
+        key = (request_id, topk)
+        if key not in self._requests:
+            self._requests[key] = _Counts(self.max_positions)
+        self._requests[key].add(tested, accepted, self.request_alpha)
+        self._pool(topk).add(tested, accepted, self.pooled_alpha)
+
+    def pooled(self, topk: int) -> list[float]:
+        """The pooled per-position rates at `topk`."""
+        pool = self._pool(topk)
+        out, prior = [], self.prior
+        for i in range(self.max_positions):
+            prior = pool.rate(i, prior, self.strength)
+            out.append(prior)
+        return out
+
+    def rates(self, request_id: str, topk: int) -> list[float]:
+        """Per-position conditional acceptance for `request_id`: its own evidence over the pool's rates."""
+        pooled = self.pooled(topk)
+        own = self._requests.get((request_id, topk))
+        if own is None:
+            return pooled
+        return [own.rate(i, pooled[i], self.strength) for i in range(self.max_positions)]
+
+    def forget(self, request_id: str) -> None:
+        """A finished request's own estimates (the pooled ones keep what it taught them)."""
+        for key in [k for k in self._requests if k[0] == request_id]:
+            del self._requests[key]
+
+    def expected_tokens(self, request_id: str, topk: int, steps: int) -> float:
+        """Tokens one verify of a `steps`-deep draft is expected to emit (1 with no draft)."""
+        return expected_tokens(self.rates(request_id, topk), steps)
+
+    def reach(self, request_id: str, topk: int) -> list[float]:
+        """[j]: the probability that draft j + 1 is accepted (every draft before it too)."""
+        out, survive = [], 1.0
+        for rate in self.rates(request_id, topk):
+            survive *= rate
+            out.append(survive)
+        return out
+
+    def _pool(self, topk: int) -> _Counts:
+        if topk not in self._pooled:
+            self._pooled[topk] = _Counts(self.max_positions)
+        return self._pooled[topk]
+
+
+class _Counts:
+    """Faded accepted / tested counts per position."""
+
+    def __init__(self, positions: int) -> None:
+        self.accepted, self.tested = [0.0] * positions, [0.0] * positions
+
+    def add(self, tested: int, accepted: int, alpha: float) -> None:
+        keep = 1.0 - alpha
+        for i in range(len(self.tested)):
+            self.accepted[i] *= keep
+            self.tested[i] *= keep
+        for i in range(tested):
+            self.tested[i] += 1.0
+            self.accepted[i] += 1.0 if i < accepted else 0.0
+
+    def rate(self, position: int, prior: float, strength: float) -> float:
+        return (self.accepted[position] + strength * prior) / (self.tested[position] + strength)
+
+
+def expected_tokens(rates: Sequence[float], steps: int) -> float:
+    total, survive = 1.0, 1.0
+    for rate in rates[:steps]:
+        survive *= rate
+        total += survive
+    return total

@@ -1,0 +1,165 @@
+"""The adaptive speculation policy: acceptance estimates, step-cost tables, and the tier it picks as
+acceptance and batch size change (a scripted drafter whose drafts survive with a set probability)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.spec.acceptance import AcceptanceTracker, expected_tokens
+from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier, default_tiers
+from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
+
+MS = 1e-3
+
+
+def test_expected_tokens_counts_the_bonus_and_each_surviving_draft():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+    assert expected_tokens([0.9, 0.0, 1.0], 3) == pytest.approx(1.9)
+
+
+def test_tracker_learns_per_position_and_per_request():
+    t = AcceptanceTracker(4, request_alpha=0.5, pooled_alpha=0.5, prior=0.5, strength=1.0)
+    t.observe("a", 1, drafted=4, accepted=1)  # position 1 accepted, 2 rejected, 3-4 untested
+    pooled, own = t.pooled(1), t.rates("a", 1)
+    assert pooled[0] == pytest.approx(0.75) and pooled[1] == pytest.approx(0.375)
+    assert pooled[2] == pooled[3] == pooled[1]  # untested: the rate of the position before
+    assert own[0] > pooled[0] > 0.5 > pooled[1] > own[1]  # a's own evidence over the pool's
+    assert own[2:] == pooled[2:]
+    assert t.rates("b", 1) == pooled  # a new request starts from the pool
+    assert t.rates("a", 4) == [0.5] * 4  # trees are judged apart from chains
+    t.observe("b", 1, drafted=2, accepted=2)
+    assert t.rates("b", 1)[1] > t.rates("a", 1)[1]  # b's luck is not a's
+    assert t.reach("b", 1)[:2] == pytest.approx([t.rates("b", 1)[0], t.rates("b", 1)[0] * t.rates("b", 1)[1]])
+    t.forget("a")
+    assert t.rates("a", 1) == t.pooled(1)
+    with pytest.raises(ValueError, match="accepted"):
+        t.observe("a", 1, drafted=2, accepted=3)
+
+
+def test_evidence_a_draft_length_no_longer_reaches_fades_back_to_the_prior():
+    t = AcceptanceTracker(4, prior=0.8)
+    t.observe("a", 1, drafted=4, accepted=2)  # one rejection at position 3
+    assert t.rates("a", 1)[2] < 0.5
+    for _ in range(200):  # then only one-token drafts, always accepted
+        t.observe("a", 1, drafted=1, accepted=1)
+    assert t.rates("a", 1)[2] > 0.9
+
+
+def test_step_costs_interpolate_extrapolate_and_average():
+    c = StepCosts(alpha=0.5, default=1e-6)
+    c.profile(VERIFY, [(1, 1), (8, 1), (64, 1), (8, 5)], lambda b, w: (1 + b * w / 8) * MS)
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(2 * MS)
+    assert c.estimate(VERIFY, 4, 1) == pytest.approx((1.125 + (2 - 1.125) * 3 / 7) * MS)
+    assert c.estimate(VERIFY, 128, 1) == pytest.approx(9 * MS * 2)  # past the end: in proportion
+    assert c.estimate(VERIFY, 2, 5) == pytest.approx(6 * MS)  # below the smallest: its cost
+    assert c.estimate(VERIFY, 8, 3) == pytest.approx(2 * MS * 3)  # width 1 is nearest: per token
+    assert c.estimate(DRAFT, 4, 1) == pytest.approx(4e-6)  # nothing measured: the default
+    c.observe(VERIFY, 8, 1, 4 * MS)
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(3 * MS)
+    c.observe(VERIFY, 0, 1, 1.0)  # an empty step says nothing
+    assert (VERIFY, 0, 1) not in c.measured()
+
+
+def _gpu_like_costs(draft_ms: float = 0.15) -> StepCosts:
+    """A launch-bound target at small batch (1 ms whatever the tokens), compute-bound at large."""
+    c = StepCosts()
+    shapes = [(b, q) for b in (1, 4, 16, 64) for q in (1, 2, 3, 5, 9)]
+    c.profile(VERIFY, shapes, lambda b, q: max(1.0, 0.03 * b * q) * MS)
+    c.profile(DRAFT, [(b, 1) for b in (1, 4, 16, 64)], lambda b, w: draft_ms * MS)
+    return c
+
+
+def _true_goodput(tier: Tier, costs: StepCosts, rate: float, batch: int) -> float:
+    """Tokens per second of `tier` when every draft survives with probability `rate`."""
+    seconds = costs.estimate(VERIFY, batch, tier.query_len) + tier.num_steps * costs.estimate(DRAFT, batch, 1)
+    return batch * expected_tokens([rate] * 8, tier.num_steps) / seconds
+
+
+def _optimal(tiers, costs, rate: float, batch: int) -> Tier:
+    return max(tiers, key=lambda t: _true_goodput(t, costs, rate, batch))
+
+
+def _simulate(policy: AdaptivePolicy, rate: float, batch: int, steps: int, rng: random.Random) -> Tier:
+    """Run `steps` decisions over `batch` requests whose drafts each survive with probability `rate`."""
+    ids = [f"r{i}" for i in range(batch)]
+    for _ in range(steps):
+        decision = policy.decide(ids)
+        for rid, n in decision.steps.items():
+            accepted = 0
+            while accepted < n and rng.random() < rate:
+                accepted += 1
+            if n:
+                policy.acceptance.observe(rid, decision.tier.topk, n, accepted)
+    return policy.current
+
+
+@pytest.mark.parametrize(
+    ("rate", "batch"), [(0.9, 1), (0.6, 1), (0.3, 1), (0.05, 1), (0.9, 16), (0.6, 64), (0.9, 64)]
+)
+def test_policy_settles_near_the_best_tier_for_the_acceptance_and_batch(rate, batch):
+    """Against the best tier computed from the true rate: within 15% of its goodput for every seed
+    (the estimates are noisy, so near-ties may go either way), and the best itself most often."""
+    tiers = default_tiers(8)
+    costs = _gpu_like_costs()
+    best = _optimal(tiers, costs, rate, batch)
+    chosen = []
+    for seed in range(5):
+        policy = AdaptivePolicy(tiers, costs, AcceptanceTracker(8), min_reach=0.0)
+        chosen.append(_simulate(policy, rate, batch, 300, random.Random(seed)))
+    goodputs = [_true_goodput(t, costs, rate, batch) for t in chosen]
+    assert min(goodputs) >= 0.85 * _true_goodput(best, costs, rate, batch), (chosen, best)
+    assert chosen.count(best) >= 3, (chosen, best)
+
+
+def test_policy_follows_a_change_of_text_and_of_batch():
+    tiers = default_tiers(8)
+    costs = _gpu_like_costs()
+    policy = AdaptivePolicy(tiers, costs, AcceptanceTracker(8, pooled_alpha=0.2), min_reach=0.0)
+    rng = random.Random(2)
+    assert _simulate(policy, 0.9, 1, 200, rng) == Tier.chain(8)  # predictable text
+    assert _simulate(policy, 0.02, 1, 400, rng) == OFF  # text no drafter predicts
+    assert _simulate(policy, 0.9, 1, 400, rng) == Tier.chain(8)  # probes bring it back
+    assert _simulate(policy, 0.9, 64, 200, rng) == _optimal(tiers, costs, 0.9, 64)
+    assert policy.switches >= 3
+
+
+def test_hysteresis_waits_for_a_steady_winner():
+    costs = _gpu_like_costs()
+    acceptance = AcceptanceTracker(4, prior=0.9)
+    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, patience=3)
+    assert policy.decide(["a"]).tier == Tier.chain(4)
+    for _ in range(200):  # other requests' drafts all fail: OFF is now far better for a newcomer
+        acceptance.observe("x", 1, drafted=4, accepted=0)
+    assert [policy.decide(["a"]).switched for _ in range(3)] == [False, False, True]
+    assert policy.current == OFF and policy.switches == 1
+
+
+def test_probe_while_off_and_goodput_average():
+    costs = _gpu_like_costs()
+    acceptance = AcceptanceTracker(4, prior=0.01)
+    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, probe_every=4)
+    tiers = [policy.decide(["a"]).tier for _ in range(8)]
+    assert tiers == [OFF, OFF, OFF, Tier.chain(4), OFF, OFF, OFF, Tier.chain(4)]
+    assert policy.current == OFF and policy.switches == 0
+    policy.observe_step(10, 0.01)
+    policy.observe_step(20, 0.01)
+    assert policy.measured_goodput == pytest.approx(1000 + 0.1 * 1000)
+
+
+def test_requests_with_poor_odds_draft_less():
+    acceptance = AcceptanceTracker(4, prior=0.9)
+    policy = AdaptivePolicy([Tier.chain(4)], _gpu_like_costs(), acceptance, min_reach=0.3)
+    for _ in range(20):
+        acceptance.observe("good", 1, drafted=4, accepted=4)
+        acceptance.observe("poor", 1, drafted=4, accepted=1)
+    assert policy.decide(["good", "poor"]).steps == {"good": 4, "poor": 1}
+
+
+def test_default_tiers():
+    assert default_tiers(4) == (OFF, Tier.chain(1), Tier.chain(2), Tier.chain(4))
+    assert Tier(5, 4, 16) in default_tiers(5, topk=4, num_draft_tokens=16)
+    assert Tier.chain(3).query_len == 4 and OFF.query_len == 1
