@@ -24,6 +24,30 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve_kernels.rope_store import rope_kv_store_ref
+
+
+@triton.jit
+def _row_rstd(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of each row (K is one hidden row: cheap to read twice)."""
+    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+        squares += tl.sum(xk * xk, axis=1)
+    return tl.rsqrt(squares / K + eps)
+
+
+@triton.jit
+def _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM: tl.constexpr):
+    """Columns `ks` of the rows, RMS-normed when NORM, rounded as RMSNorm rounds."""
+    xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        normed = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
+        scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        xk = (normed * scale[None, :]).to(xk.dtype)
+    return xk
+
 
 @triton.jit
 def _fused_linear_kernel(
@@ -55,25 +79,16 @@ def _fused_linear_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    if NORM:  # the row's rms first: K is one hidden row, cheap to read twice
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-            xk = xk.to(tl.float32)
-            squares += tl.sum(xk * xk, axis=1)
-        rstd = tl.rsqrt(squares / K + eps)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            normed = (xk.to(tl.float32) * rstd[:, None]).to(xk.dtype).to(tl.float32)
-            scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            xk = (normed * scale[None, :]).to(xk.dtype)
+        xk = _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM)
         w_mask = k_ok[:, None] & col_ok[None, :]
         wk = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)
         if UPCAST:  # the interpreter's tl.dot mishandles bf16; fp32 products of bf16 values are exact
@@ -208,3 +223,204 @@ def fused_linear_ref(
         gate, up = out.chunk(2, dim=-1)
         out = torch.nn.functional.silu(gate) * up
     return out if residual is None else out + residual
+
+
+@triton.jit
+def _qkv_rope_store_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    M,
+    K,
+    num_heads,
+    num_kv_heads,
+    stride_xm,
+    stride_wn,
+    stride_qt,
+    stride_qh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_cos,
+    eps,
+    HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    head = tl.program_id(0)  # q heads, then k heads, then v heads: rows head * 2 HALF.. of W
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    i = tl.arange(0, BLOCK_HALF)
+    row_ok, i_ok = rows < M, i < HALF
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
+    lo = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)  # the head's first half, then its second
+    hi = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
+    w_lo = w_ptr + (head * 2 * HALF + i).to(tl.int64)[None, :] * stride_wn
+    w_hi = w_lo + HALF * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        xk = _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM)
+        w_mask = k_ok[:, None] & i_ok[None, :]
+        wl = tl.load(w_lo + ks[:, None], mask=w_mask, other=0.0)
+        wh = tl.load(w_hi + ks[:, None], mask=w_mask, other=0.0)
+        if UPCAST:  # the interpreter's tl.dot mishandles bf16; fp32 products of bf16 values are exact
+            xk, wl, wh = xk.to(tl.float32), wl.to(tl.float32), wh.to(tl.float32)
+        lo += tl.dot(xk, wl, input_precision=PRECISION)
+        hi += tl.dot(xk, wh, input_precision=PRECISION)
+    if BIAS:
+        lo += tl.load(bias_ptr + head * 2 * HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+        hi += tl.load(bias_ptr + head * 2 * HALF + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :]
+    out_ty = q_out_ptr.dtype.element_ty
+    lo = lo.to(out_ty).to(tl.float32)  # the projection's output, rounded as the linear layer's
+    hi = hi.to(out_ty).to(tl.float32)
+    mask = row_ok[:, None] & i_ok[None, :]
+    if head < num_heads + num_kv_heads:  # q or k: rotate
+        pos = tl.load(positions_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        cos = tl.load(cos_ptr + pos[:, None] * stride_cos + i[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + pos[:, None] * stride_cos + i[None, :], mask=mask, other=0.0)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    if head < num_heads:
+        dst = q_out_ptr + rows.to(tl.int64)[:, None] * stride_qt + head * stride_qh + i[None, :]
+    else:
+        slot = tl.load(slots_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        if head < num_heads + num_kv_heads:
+            dst = k_cache_ptr + slot[:, None] * stride_kcs + (head - num_heads) * stride_kch + i[None, :]
+        else:
+            kv_head = head - num_heads - num_kv_heads
+            dst = v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + i[None, :]
+    tl.store(dst, lo.to(out_ty), mask=mask)
+    tl.store(dst + HALF, hi.to(out_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class QKVLayout:
+    """Where a fused q/k/v projection's outputs go: q heads come back, k/v land in the cache."""
+
+    num_heads: int
+    num_kv_heads: int
+    k_cache: torch.Tensor  # [slots, KvH, D]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor  # [max_position, D / 2] fp32
+    sin: torch.Tensor
+
+
+def _check_qkv(x: torch.Tensor, weight: torch.Tensor, qkv: QKVLayout) -> int:
+    heads = qkv.num_heads + 2 * qkv.num_kv_heads
+    dim = qkv.k_cache.shape[-1]
+    if weight.shape[0] != heads * dim or dim % 2 or qkv.cos.shape[-1] * 2 != dim:
+        raise ValueError(
+            f"weight: expected [{heads} heads * {dim}, K] with even head_dim, got {tuple(weight.shape)}"
+        )
+    if qkv.k_cache.shape[1] != qkv.num_kv_heads or qkv.v_cache.shape != qkv.k_cache.shape:
+        raise ValueError(
+            f"caches: expected [slots, {qkv.num_kv_heads}, {dim}], got {tuple(qkv.k_cache.shape)}"
+        )
+    if qkv.slot_mapping.shape != (x.shape[0],) or qkv.positions.shape != (x.shape[0],):
+        raise ValueError(f"slot_mapping/positions: expected [{x.shape[0]}]")
+    if qkv.k_cache.dtype != x.dtype:
+        raise ValueError(f"dtypes differ: x {x.dtype}, cache {qkv.k_cache.dtype}")
+    return dim
+
+
+def qkv_rope_store(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qkv: QKVLayout,
+    bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """RMSNorm (optional) → the stacked q/k/v projection → RoPE on q and k → k and v written to
+    their cache slots, in one launch per 16-64 rows. Returns the rotated q [T, H, D]."""
+    _check(x, weight, bias, norm, None, False)
+    dim = _check_qkv(x, weight, qkv)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    q_out = torch.empty((rows, qkv.num_heads, dim), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return q_out
+    b = blocks_for(rows, dim, k)
+    half = dim // 2
+    grid = (qkv.num_heads + 2 * qkv.num_kv_heads, triton.cdiv(rows, b.m))
+    _qkv_rope_store_kernel[grid](
+        x,
+        weight if weight.stride(1) == 1 else weight.contiguous(),
+        bias if bias is not None else weight,
+        norm[0].contiguous() if norm is not None else weight,
+        q_out,
+        qkv.k_cache,
+        qkv.v_cache,
+        qkv.slot_mapping,
+        qkv.positions,
+        qkv.cos,
+        qkv.sin,
+        rows,
+        k,
+        qkv.num_heads,
+        qkv.num_kv_heads,
+        x.stride(0),
+        weight.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        qkv.k_cache.stride(0),
+        qkv.k_cache.stride(1),
+        qkv.v_cache.stride(0),
+        qkv.v_cache.stride(1),
+        qkv.cos.stride(0),
+        norm[1] if norm is not None else 0.0,
+        HALF=half,
+        NORM=norm is not None,
+        BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 or x.device.type != "cuda" else "tf32",
+        UPCAST=x.device.type != "cuda",
+        BLOCK_M=b.m,
+        BLOCK_HALF=max(16, triton.next_power_of_2(half)),
+        BLOCK_K=min(b.k, max(16, triton.next_power_of_2(k))),
+        num_warps=b.warps,
+    )
+    return q_out
+
+
+def qkv_rope_store_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qkv: QKVLayout,
+    bias: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Plain torch: the norm and projection (`fused_linear_ref`), then RoPE and the KV write
+    (`rope_kv_store_ref`)."""
+    dim = _check_qkv(x, weight, qkv)
+    out = fused_linear_ref(x, weight, bias=bias, norm=norm)
+    q, k, v = out.split([qkv.num_heads * dim, qkv.num_kv_heads * dim, qkv.num_kv_heads * dim], dim=-1)
+    tokens = x.shape[0]
+    return rope_kv_store_ref(
+        q.reshape(tokens, qkv.num_heads, dim),
+        k.reshape(tokens, qkv.num_kv_heads, dim),
+        v.reshape(tokens, qkv.num_kv_heads, dim),
+        qkv.k_cache,
+        qkv.v_cache,
+        qkv.slot_mapping,
+        qkv.positions,
+        qkv.cos,
+        qkv.sin,
+    )

@@ -229,11 +229,12 @@ def test_bench_decode_step(smollm2_bf16, batch, context):
 
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_bench_fused_linear_layer(tokens):
-    """A decoder layer's four matmuls with their norms, activation and residual adds: fused
-    (`fused_linear`, four launches) against the (x, residual) path (cuBLAS, fused norms, silu_mul)."""
+    """A decoder layer's four matmuls with their norms, activation, residual adds, RoPE and KV write:
+    fused (`qkv_rope_store` + three `fused_linear`, four launches) against the (x, residual) path
+    (fused norms, cuBLAS, rope_kv_store, silu_mul: eight)."""
     import torch.nn.functional as F
 
-    from specserve_kernels.fused_linear import fused_linear
+    from specserve_kernels.fused_linear import QKVLayout, fused_linear, qkv_rope_store
     from specserve_kernels.silu_mul import silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -241,22 +242,38 @@ def test_bench_fused_linear_layer(tokens):
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, device="cuda", dtype=DTYPE, generator=g) * scale
 
-    inter = 1536
-    w_qkv, w_o = rand((HEADS + 2 * KV_HEADS) * DIM, HIDDEN, scale=0.04), rand(HIDDEN, HEADS * DIM, scale=0.04)
+    inter, q_size, kv_size = 1536, HEADS * DIM, KV_HEADS * DIM
+    w_qkv, w_o = rand(q_size + 2 * kv_size, HIDDEN, scale=0.04), rand(HIDDEN, q_size, scale=0.04)
     w_gu, w_d = rand(2 * inter, HIDDEN, scale=0.04), rand(HIDDEN, inter, scale=0.03)
     ln1, ln2 = rand(HIDDEN), rand(HIDDEN)
-    stream, attn = rand(tokens, HIDDEN), rand(tokens, HEADS * DIM)
+    stream, attn = rand(tokens, HIDDEN), rand(tokens, q_size)
+    cache = torch.zeros(2, 4096, KV_HEADS, DIM, device="cuda", dtype=DTYPE)
+    slots = torch.randperm(4096, device="cuda")[:tokens]
+    positions = torch.randint(0, 2048, (tokens,), device="cuda")
+    rope = RotaryEmbedding(_arch()).cuda()
+    layout = QKVLayout(HEADS, KV_HEADS, cache[0], cache[1], slots, positions, rope.cos, rope.sin)
 
     def fused():
-        fused_linear(stream, w_qkv, norm=(ln1, 1e-5))
+        qkv_rope_store(stream, w_qkv, layout, norm=(ln1, 1e-5))
         s = fused_linear(attn, w_o, residual=stream)
         act = fused_linear(s, w_gu, norm=(ln2, 1e-5), gated=True)
         return fused_linear(act, w_d, residual=s)
 
     def unfused():
         h, r = add_rms_norm(stream, None, ln1, 1e-5)
-        F.linear(h, w_qkv)
+        q, k, v = F.linear(h, w_qkv).split([q_size, kv_size, kv_size], -1)
+        rope_kv_store(
+            q.view(tokens, HEADS, DIM),
+            k.view(tokens, KV_HEADS, DIM),
+            v.view(tokens, KV_HEADS, DIM),
+            cache[0],
+            cache[1],
+            slots,
+            positions,
+            rope.cos,
+            rope.sin,
+        )
         h, r = add_rms_norm(F.linear(attn, w_o), r, ln2, 1e-5)
         return F.linear(silu_mul(F.linear(h, w_gu)), w_d), r
 
-    _row(f"layer matmuls + norms T={tokens}", _us(fused), _us(unfused))
+    _row(f"layer matmuls + norms + rope/kv T={tokens}", _us(fused), _us(unfused))

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve_kernels.fused_linear import blocks_for, fused_linear, fused_linear_ref
+from specserve_kernels.fused_linear import (
+    QKVLayout,
+    blocks_for,
+    fused_linear,
+    fused_linear_ref,
+    qkv_rope_store,
+    qkv_rope_store_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSIONS = {
@@ -80,3 +87,35 @@ def test_strided_inputs_empty_batch_and_shape_errors():
 def test_tiles_grow_with_rows():
     assert blocks_for(1, 576, 576).m == 16 and blocks_for(64, 576, 576).m == 64
     assert blocks_for(1, 3072, 576).n > blocks_for(1, 576, 576).n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fusion", ["norm", "norm_bias", "plain"])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (5, 4, 2, 8), (20, 3, 1, 32)])
+def test_qkv_rope_store_matches_projection_rope_and_kv_write(rows, heads, kv_heads, dim, dtype, fusion):
+    """q comes back rotated, k (rotated) and v land in their slots; other slots stay untouched."""
+    width = (heads + 2 * kv_heads) * dim
+    x, weight, kwargs, _ = _inputs(rows, width, 48, dtype, FUSIONS[fusion], rows + dim)
+    g = torch.Generator().manual_seed(dim)
+    num_slots = 3 * rows + 4
+    slots = torch.randperm(num_slots, generator=g)[:rows].to(DEVICE)
+    positions = torch.randint(0, 100, (rows,), generator=g).to(DEVICE)
+    angles = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim)).to(DEVICE)
+    before = torch.randn(2, num_slots, kv_heads, dim, generator=g).to(DEVICE, dtype)
+    results = []
+    for fn in (qkv_rope_store, qkv_rope_store_ref):
+        k_cache, v_cache = before.clone()
+        layout = QKVLayout(heads, kv_heads, k_cache, v_cache, slots, positions, angles.cos(), angles.sin())
+        results.append((fn(x, weight, layout, **kwargs), k_cache, v_cache))
+    (q, k_cache, v_cache), (q_ref, k_ref, v_ref) = results
+    assert q.shape == (rows, heads, dim) and q.dtype == dtype
+    for got, want in ((q, q_ref), (k_cache, k_ref), (v_cache, v_ref)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            atol = want.float().abs().max().item() * (2**-4 if DEVICE == "cpu" else 2**-6)
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=atol)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(k_cache[untouched], before[0][untouched])
+    assert torch.equal(v_cache[untouched], before[1][untouched])

@@ -76,6 +76,8 @@ class AttentionContext(ABC):
     # has the decoder (at TP size 1) carry one stream through four matmuls per layer, each norm and
     # residual add fused into one (`DecoderLayer.forward_stream`).
     fused_linear: FusedLinear | None = None
+    # With `fused_linear`: `attend_qkv` runs norm, q/k/v projection, RoPE and the KV write as one.
+    fuses_qkv: bool = False
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,6 +95,21 @@ class AttentionContext(ABC):
         """`attend` with q/k not yet rotated: RoPE at `positions` first (fused by backends that can)."""
         q, k = rope(positions, q, k)
         return self.attend(layer, q, k, v)
+
+    def attend_qkv(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: tuple[torch.Tensor, float] | None,
+        num_heads: int,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """Backends that set `fuses_qkv`: RMSNorm(x) (`norm`: weight, eps) → the stacked q/k/v
+        projection `weight` [(H + 2 KvH) * D, K] → RoPE → KV write → attention; returns [T, H, D]."""
+        raise NotImplementedError
 
 
 class AttentionBackend(ABC):

@@ -7,8 +7,8 @@ also hands the decoder the fused residual-add + RMSNorm (`specserve_kernels.rms_
 layer's two norms are one launch each too, and the MLP's fused silu(gate) * up (`specserve_kernels.silu_mul`).
 Steps of at most `FUSED_LINEAR_TOKENS` tokens (decode and verify at small batch, bound by launches)
 go further: the decoder carries one residual stream through four matmuls per layer with each norm,
-the activation and each residual add fused in (`specserve_kernels.fused_linear`), so a layer is
-those four plus RoPE/KV write and attention.
+the activation and each residual add fused in, the first of them also applying RoPE and writing
+the KV cache (`specserve_kernels.fused_linear`), so a layer is those four plus attention.
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
@@ -28,7 +28,13 @@ import torch
 from specserve.attention.backend import AttentionBackend, AttentionBatch, AttentionContext
 from specserve.engine.kv_cache import KVCache
 from specserve_kernels import use_triton
-from specserve_kernels.fused_linear import fused_linear, fused_linear_ref
+from specserve_kernels.fused_linear import (
+    QKVLayout,
+    fused_linear,
+    fused_linear_ref,
+    qkv_rope_store,
+    qkv_rope_store_ref,
+)
 from specserve_kernels.paged_attention import num_splits, paged_attention, paged_attention_ref
 from specserve_kernels.rms_norm import add_rms_norm, add_rms_norm_ref
 from specserve_kernels.rope_store import rope_kv_store, rope_kv_store_ref
@@ -62,6 +68,8 @@ class TritonAttentionContext(AttentionContext):
             self.silu_mul = silu_mul if kernels else silu_mul_ref
             if batch.slot_mapping.shape[0] <= fused_linear_tokens:
                 self.fused_linear = fused_linear if kernels else fused_linear_ref
+                self.fuses_qkv = True
+                self.qkv_rope_store = qkv_rope_store if kernels else qkv_rope_store_ref
         self.splits = splits  # None: chosen at the first layer, once the head counts are known
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -80,6 +88,30 @@ class TritonAttentionContext(AttentionContext):
         k_cache, v_cache = self.k_layers[layer], self.v_layers[layer]
         q = self.store(q, k, v, k_cache, v_cache, self.batch.slot_mapping, positions, rope.cos, rope.sin)
         return self._attend(layer, q)
+
+    def attend_qkv(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: tuple[torch.Tensor, float] | None,
+        num_heads: int,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        k_cache = self.k_layers[layer]
+        qkv = QKVLayout(
+            num_heads,
+            k_cache.shape[1],
+            k_cache,
+            self.v_layers[layer],
+            self.batch.slot_mapping,
+            positions,
+            rope.cos,
+            rope.sin,
+        )
+        return self._attend(layer, self.qkv_rope_store(x, weight, qkv, bias=bias, norm=norm))
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         b, k_cache = self.batch, self.k_layers[layer]

@@ -66,6 +66,22 @@ class Attention(nn.Module):
             out = ctx.attend(self.layer, q, k, v)
         return out.reshape(tokens, self.num_heads * self.head_dim)
 
+    def attend_stream(
+        self,
+        stream: torch.Tensor,
+        norm: tuple[torch.Tensor, float] | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        """RMSNorm (`norm`) → q/k/v → attention [T, heads * head_dim], in fused kernels: the
+        context's whole norm-projection-RoPE-KV-write launch when it has one (`attend_qkv`)."""
+        w, bias = self.qkv_proj.weight, self.qkv_proj.bias
+        if ctx.fuses_qkv:
+            out = ctx.attend_qkv(self.layer, stream, w, bias, norm, self.num_heads, positions, rope)
+            return out.reshape(stream.shape[0], self.num_heads * self.head_dim)
+        return self.attend(ctx.fused_linear(stream, w, bias=bias, norm=norm), positions, rope, ctx)
+
 
 class SwiGLU(nn.Module):
     """Under TP: this rank's intermediate rows of gate/up, and the matching columns of down_proj."""
@@ -123,14 +139,15 @@ class DecoderLayer(nn.Module):
     def forward_stream(
         self, stream: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext
     ) -> torch.Tensor:
-        """The same layer in four fused matmuls (`ctx.fused_linear`), each norm folded into the matmul
-        after it and each residual add into the one before: stream in, stream out. TP size 1 only
-        (a row-parallel matmul's all-reduce must come before its residual add)."""
+        """The same layer in four fused matmuls (`ctx.fused_linear`; the first also applies RoPE and
+        writes the KV cache where the context fuses that, `ctx.attend_qkv`), each norm folded into
+        the matmul after it and each residual add into the one before: stream in, stream out. TP
+        size 1 only (a row-parallel matmul's all-reduce must come before its residual add)."""
         linear, attn, mlp = ctx.fused_linear, self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         first_norm = (norm1.weight, norm1.eps) if isinstance(norm1, RMSNorm) else None
-        qkv = linear(stream, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, norm=first_norm)
-        stream = linear(attn.attend(qkv, positions, rope, ctx), attn.o_proj.weight, residual=stream)
+        out = attn.attend_stream(stream, first_norm, positions, rope, ctx)
+        stream = linear(out, attn.o_proj.weight, residual=stream)
         act = linear(stream, mlp.gate_up_proj.weight, norm=(norm2.weight, norm2.eps), gated=True)
         return linear(act, mlp.down_proj.weight, residual=stream)
 
