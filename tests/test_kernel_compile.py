@@ -4,7 +4,7 @@ The interpreter the other kernel tests use skips the GPU compiler entirely, so t
 unsupported constructs that only it rejects would first show on the GPU machine. Triton compiles
 ahead of time for a named target with the ptxas it bundles, no driver needed; this does so for one
 variant of each kernel (the SmolLM2 shapes: decode tile with split-K and a tree mask, prefill tile,
-the split merge, RoPE + KV write, residual add + RMSNorm), in a subprocess because this process's
+the split merge, RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels), in a subprocess because this process's
 triton runs in interpreter mode.
 """
 
@@ -23,7 +23,7 @@ COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specserve_kernels import paged_attention as pa, rms_norm as rn, rope_store as rs
+    from specserve_kernels import fused_linear as fl, paged_attention as pa, rms_norm as rn, rope_store as rs
 
     FLOATS = {"scale_log2", "eps"}
 
@@ -53,6 +53,12 @@ COMPILE = textwrap.dedent(
     rope = dict(HALF=32, BLOCK_H=16, BLOCK_KH=4, BLOCK_HALF=32, ROPE=True)
     compile_(rs._rope_kv_store_kernel, {"default": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **ints}, rope, 1)
     compile_(rn._add_rms_norm_kernel, {"default": "*bf16"}, dict(HAS_RESIDUAL=True, BLOCK=1024))
+    blocks = dict(PRECISION="tf32", UPCAST=False, BLOCK_M=16, BLOCK_K=128)
+    flags = dict(NORM=True, BIAS=False, RESIDUAL=False)
+    compile_(fl._fused_linear_kernel, {"default": "*bf16"}, {**blocks, **flags, "GATED": True, "BLOCK_N": 32})
+    compile_(fl._fused_linear_kernel, {"default": "*bf16"}, {**blocks, "NORM": False, "BIAS": False, "RESIDUAL": True, "GATED": False, "BLOCK_N": 16})
+    qkv = {"default": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **ints}
+    compile_(fl._qkv_rope_store_kernel, qkv, {**blocks, "NORM": True, "BIAS": True, "HALF": 32, "BLOCK_HALF": 32})
     print("compiled")
     """
 )
