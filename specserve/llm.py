@@ -94,7 +94,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(batch, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.engine.add_request(prompt, p, stream=False))  # only the last output is read
             return self._run(ids)
         except BaseException:
             for request_id in ids:  # leave no request (or KV page) behind

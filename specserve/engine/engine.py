@@ -104,9 +104,16 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        stream: bool = True,
     ) -> str:
-        """Queue a request; raises ValueError naming the offending field."""
+        """Queue a request; raises ValueError naming the offending field. `stream`: an output every
+        step it makes tokens; else only its last (deltas then hold everything), and its text is
+        decoded once at the end unless a stop string needs it sooner."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -115,7 +122,7 @@ class Engine:
         self._validate(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = frozenset(self.loaded.eos_token_ids)
-        req = Request(request_id, prompt_ids, params, seed, eos)
+        req = Request(request_id, prompt_ids, params, seed, eos, stream=stream)
         self._requests[request_id] = req
         self._texts[request_id] = TextState(
             self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
@@ -236,10 +243,14 @@ class Engine:
         future = previous.future() if waits else None  # else no id needs resolving on the device
         _, _, logits = self.runner.execute(inp, future=future)
         owners = [items[index].request for index in inp.sample_items]
-        sample_rows = [req.sampling_row(req.num_output) for req in owners]
+        counters = [req.num_output for req in owners]
         if owners:
-            batch = SamplingBatch.build(sample_rows, self.device)
-            tokens = sample(logits[inp.sample_logit_rows], batch, self._banned(sample_rows, owners))
+            fixed, seeds = [r.sampling_fixed for r in owners], [r.seed for r in owners]
+            batch = SamplingBatch.from_columns(fixed, seeds, counters, self.device)
+            # Every logit row samples (a decode step): in order, so the rows need no gather.
+            every_row = inp.sample_logit_rows.shape[0] == logits.shape[0]
+            rows_logits = logits if every_row else logits[inp.sample_logit_rows]
+            tokens = sample(rows_logits, batch, self._banned(counters, owners))
         else:
             tokens = torch.empty(0, dtype=torch.long, device=self.device)
         wants_logprobs = bool(inp.input_logprobs) or any(r.params.return_logprob for r in owners)
@@ -297,7 +308,6 @@ class Engine:
         if self.stats_sink is None:
             return
         for out in outputs:
-            stats.generation_tokens += len(out.delta_token_ids)
             if out.finished:
                 reason = out.finish_reason or "unknown"
                 stats.finished[reason] = stats.finished.get(reason, 0) + 1
@@ -453,7 +463,7 @@ class Engine:
             logits[inp.sample_logit_rows],
             rows,
             [items[i].draft for i in inp.sample_items],
-            self._banned(rows, owners),
+            self._banned([row.counter for row in rows], owners),
             self._draft_probs(items, inp, logits),
         )
         return dict(zip(inp.sample_items, chains, strict=True))
@@ -473,17 +483,17 @@ class Engine:
             blocks.append(block)
         return torch.cat(blocks)
 
-    def _banned(self, rows: list[SamplingRow], owners: list[Request]) -> torch.Tensor | None:
-        """min_new_tokens: stop ids and EOS cannot be drawn at an output index below it."""
+    def _banned(self, counters: list[int], owners: list[Request]) -> torch.Tensor | None:
+        """min_new_tokens: stop ids and EOS cannot be drawn at an output index (counter) below it."""
         bans = [
             (i, _stop_ids(r))
-            for i, (r, row) in enumerate(zip(owners, rows, strict=True))
-            if row.counter < r.params.min_new_tokens
+            for i, (r, counter) in enumerate(zip(owners, counters, strict=True))
+            if counter < r.params.min_new_tokens
         ]
         bans = [(i, ids) for i, ids in bans if ids]
         if not bans:
             return None
-        banned = torch.zeros(len(rows), self.arch.vocab_size, dtype=torch.bool)
+        banned = torch.zeros(len(counters), self.arch.vocab_size, dtype=torch.bool)
         for i, ids in bans:
             banned[i, list(ids)] = True
         return banned.to(self.device, non_blocking=True)
@@ -529,6 +539,7 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         delta: list[int] = []
+        reason = None
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
             delta.append(token)
@@ -536,8 +547,9 @@ class Engine:
                 req.output_logprobs.append(records.outputs[i])
             reason = self._finish_reason(req, token)
             if reason is not None:
-                return reason, delta
-        return None, delta
+                break
+        self._stats.generation_tokens += len(delta)
+        return reason, delta
 
     def _cacheable(self, req: Request) -> int:
         """Leading tokens whose KV pages may enter the prefix cache: a model drafter's KV lives on
@@ -572,7 +584,13 @@ class Engine:
         self.scheduler.remove(req)
         req.finish(reason)
 
-    def _emit(self, req: Request, delta_ids: list[int]) -> RequestOutput:
+    def _emit(self, req: Request, delta_ids: list[int]) -> RequestOutput | None:
+        """Its output after this step, None for an unfinished request nobody streams (its one output,
+        the last, has every token as new)."""
+        if not req.stream:
+            if not req.finished:
+                return None
+            delta_ids = req.output_ids
         text = self._texts[req.request_id]
         if req.finished:
             text.finish()

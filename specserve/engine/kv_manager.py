@@ -37,7 +37,7 @@ class KVManager:
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Make sure `req` holds pages for its first `num_tokens` tokens; False when the pool is short."""
-        missing = self.pages_for(num_tokens) - len(req.pages)
+        missing = -(-num_tokens // self.page_size) - len(req.pages)
         if missing <= 0:
             return True
         try:
@@ -52,6 +52,7 @@ class KVManager:
         if len(req.pages) > keep:
             self.pool.release(reversed(req.pages[keep:]))
             del req.pages[keep:]
+            req.page_mirror.truncate(keep)
 
     def commit(self, req: Request, upto: int) -> None:
         """Offer the request's newly completed pages among its first `upto` tokens to the prefix cache."""

@@ -48,11 +48,16 @@ class PagePool:
         return len(self._free) + len(self._evictable)
 
     def allocate(self, n: int) -> list[int]:
+        free = self._free
+        if n == 1 and free:  # a decode step's page (page size 1: every token's)
+            page = free.popleft()
+            self.refcount[page] = 1
+            return [page]
         if n > self.num_available:
             raise OutOfPages(f"need {n} pages, {self.num_available} available")
-        while len(self._free) < n:
+        while len(free) < n:
             self.evict_oldest()
-        pages = [self._free.popleft() for _ in range(n)]
+        pages = [free.popleft() for _ in range(n)]
         for page in pages:  # one or a few pages per call: item assignment beats fancy indexing
             self.refcount[page] = 1
         return pages

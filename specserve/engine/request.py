@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from specserve.engine.sampler import SamplingRow
 from specserve.types import SamplingParams
 
@@ -35,7 +37,38 @@ class LogprobRecord:
     chosen: list[tuple[int, float]] | None = None
 
 
-@dataclass
+class PageMirror:
+    """An int64 array copy of a request's page list, caught up with what was appended since it was
+    last read: a step's page table then copies arrays instead of converting Python ints (with page
+    size 1 a request holds a page per token, so that conversion grew with every token). `KVManager`
+    truncates it whenever it shortens the list in place; a new list object starts it over."""
+
+    __slots__ = ("_array", "_valid", "_source")
+
+    def __init__(self) -> None:
+        self._array = np.zeros(0, dtype=np.int64)
+        self._valid = 0  # leading entries known to equal the list's
+        self._source: list[int] | None = None
+
+    def first(self, pages: list[int], n: int) -> np.ndarray:
+        """`pages[:n]` as an int64 array (a view: copy it before `pages` changes)."""
+        if pages is not self._source or self._valid > len(pages):
+            self._source, self._valid = pages, 0
+        if self._valid < len(pages):
+            if len(pages) > len(self._array):
+                grown = np.zeros(max(2 * len(self._array), len(pages), 16), dtype=np.int64)
+                grown[: self._valid] = self._array[: self._valid]
+                self._array = grown
+            self._array[self._valid : len(pages)] = pages[self._valid :]
+            self._valid = len(pages)
+        return self._array[: min(n, len(pages))]
+
+    def truncate(self, n: int) -> None:
+        """The list was cut to its first `n` pages."""
+        self._valid = min(self._valid, n)
+
+
+@dataclass(eq=False)  # identity: a request is found in the scheduler's queues by `in` and `remove`
 class Request:
     request_id: str
     prompt_ids: list[int]
@@ -68,16 +101,19 @@ class Request:
     # step is in flight with nothing left to schedule (its output count or prefill is complete).
     num_pending: int = 0
     settling: bool = False
+    stream: bool = True  # an output every step (else only the last)
+    page_mirror: PageMirror = field(default_factory=PageMirror, repr=False, compare=False)
+    prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+        self.prompt_len = len(self.prompt_ids)  # an attribute: read several times per request and step
+        p = self.params
+        # The fixed part of every `sampling_row`: (temperature, top_k, top_p, min_p).
+        self.sampling_fixed = (float(p.temperature), max(p.top_k, 0), float(p.top_p), float(p.min_p))
         if self.params.wants_input_logprobs and self.params.logprob_start_len == 0 and self.prompt_ids:
             # The first prompt token has nothing before it to be predicted from.
             self.input_logprobs.append(LogprobRecord(self.prompt_ids[0], None, [], []))
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:
@@ -124,15 +160,7 @@ class Request:
 
     def sampling_row(self, counter: int) -> SamplingRow:
         """How output token `counter` of this request is drawn (by the target, or a drafter)."""
-        p = self.params
-        return SamplingRow(
-            temperature=float(p.temperature),
-            top_k=max(p.top_k, 0),
-            top_p=float(p.top_p),
-            min_p=float(p.min_p),
-            seed=self.seed,
-            counter=counter,
-        )
+        return SamplingRow(*self.sampling_fixed, self.seed, counter)
 
     def drop_pending(self) -> int:
         """Remove the FUTURE_TOKEN entries; returns how many there were."""

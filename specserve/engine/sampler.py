@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -72,14 +73,36 @@ class SamplingBatch:
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
         """Two host->device copies (float fields, int fields); an empty ``rows`` gives an empty batch."""
+        fixed = [(r.temperature, r.top_k, r.top_p, r.min_p) for r in rows]
+        return cls.from_columns(fixed, [r.seed for r in rows], [r.counter for r in rows], device)
+
+    @classmethod
+    def from_columns(
+        cls,
+        fixed: Sequence[tuple[float, int, float, float]],
+        seeds: Sequence[int],
+        counters: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """`build` from columns: per row (temperature, top_k, top_p, min_p), its seed and its counter.
+        What a step does (no `SamplingRow` per request and step); the row keys are folded over whole
+        columns, not row by row."""
         device = torch.device(device)
-        floats = torch.tensor([[r.temperature, r.top_p, r.min_p] for r in rows], dtype=torch.float32)
-        ints = torch.tensor(
-            [[r.top_k, r.seed, r.counter, _row_key(r.seed, r.counter)] for r in rows], dtype=torch.int64
-        )
-        floats, ints = floats.reshape(-1, 3).T, ints.reshape(-1, 4).T
-        floats, ints = _to_device(floats.contiguous(), device), _to_device(ints.contiguous(), device)
-        sampled = [r for r in rows if r.temperature > 0]  # greedy rows ignore the filters
+        params = np.array(fixed, dtype=np.float64).reshape(-1, 4).T
+        floats = params[[0, 2, 3]].astype(np.float32)  # temperature, top_p, min_p
+        ints = np.empty((4, len(seeds)), dtype=np.int64)
+        ints[0] = params[1]  # top_k: small integers, exact in float64
+        ints[1], ints[2] = seeds, counters
+        ints[3] = _row_key(ints[1], ints[2])
+        sampled = floats[0] > 0  # greedy rows ignore the filters
+        flags = {
+            "all_greedy": not bool(sampled.any()),
+            "any_top_k": bool((ints[0][sampled] > 0).any()),
+            "any_top_p": bool((floats[1][sampled] < 1.0).any()),
+            "any_min_p": bool((floats[2][sampled] > 0.0).any()),
+        }
+        floats = _to_device(torch.from_numpy(np.ascontiguousarray(floats)), device)
+        ints = _to_device(torch.from_numpy(ints), device)
         return cls(
             temperature=floats[0],
             top_p=floats[1],
@@ -88,10 +111,7 @@ class SamplingBatch:
             seed=ints[1],
             counter=ints[2],
             noise_key=ints[3],
-            all_greedy=not sampled,
-            any_top_k=any(r.top_k > 0 for r in sampled),
-            any_top_p=any(r.top_p < 1.0 for r in sampled),
-            any_min_p=any(r.min_p > 0.0 for r in sampled),
+            **flags,
         )
 
     def __len__(self) -> int:
@@ -202,7 +222,8 @@ def uniform_noise(
 
 
 def _row_key(seed, counter, salt: int = 0):
-    """Fold (seed, counter, salt) into one 32-bit key; works on int64 tensors and on Python ints."""
+    """Fold (seed, counter, salt) into one 32-bit key; works on int64 tensors, int64 numpy arrays
+    and Python ints alike (every intermediate stays below 2**63)."""
     key = _mix32(((seed >> 32) & _MASK32) ^ _SALT_SEED ^ (salt & _MASK32))
     key = _mix32(key ^ (seed & _MASK32))
     key = _mix32(key ^ ((counter >> 32) & _MASK32) ^ _SALT_COUNTER)
@@ -219,7 +240,7 @@ def _noise_from_key(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _mix32(x):
-    """A 32-bit avalanche mix (xorshift-multiply, lowbias32) of values < 2**32 (int64 tensor or int)."""
+    """A 32-bit avalanche mix (xorshift-multiply, lowbias32) of values < 2**32 (int64 tensor, array or int)."""
     x = x ^ (x >> 16)
     x = (x * _MUL_A) & _MASK32
     x = x ^ (x >> 15)

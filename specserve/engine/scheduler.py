@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from specserve.config import SchedulerConfig
 from specserve.engine.kv_manager import KVManager
@@ -18,11 +18,11 @@ from specserve.engine.request import Request, Status
 from specserve.engine.stats import StepStats
 
 
-@dataclass(frozen=True)
-class ScheduledItem:
+class ScheduledItem(NamedTuple):
     """Compute `request.token_ids[start : start + num_known]` and then `draft` this step.
 
     `start` is the request's num_computed when scheduled; `num_tokens` counts known and draft tokens.
+    A tuple: one is made per request and step.
     """
 
     request: Request
@@ -33,10 +33,10 @@ class ScheduledItem:
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledItem:
-        start = request.num_computed
-        known = min(num_tokens, request.num_uncomputed)
-        draft = tuple(request.draft[: num_tokens - known])
-        return cls(request, start, num_tokens, start + known == len(request.token_ids), draft)
+        start, length = request.num_computed, len(request.token_ids)
+        known = min(num_tokens, length - start)
+        draft = tuple(request.draft[: num_tokens - known]) if request.draft else ()
+        return cls(request, start, num_tokens, start + known == length, draft)
 
     @property
     def num_known(self) -> int:

@@ -25,7 +25,7 @@ class SpecSettings(NamedTuple):
 @dataclass
 class StepStats:
     prompt_tokens: int = 0  # of requests added since the last step
-    generation_tokens: int = 0  # output tokens this step emitted
+    generation_tokens: int = 0  # output tokens this step added
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
     retracted: int = 0
     prefix_queries: int = 0  # tokens looked up in the prefix cache by admitted requests

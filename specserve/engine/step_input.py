@@ -18,6 +18,7 @@ dummy slot 0, so no real slot or row is touched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def _batch_shapes(tokens: int, batch: int, max_pages: int) -> list[tuple[int, ..
 
 
 def packed_size(layout: Sequence[int]) -> int:
-    return sum(int(np.prod(shape)) for shape in _packed_shapes(layout))
+    return sum(math.prod(shape) for shape in _packed_shapes(layout))
 
 
 def unpack_step_input(layout: Sequence[int], packed: torch.Tensor) -> StepInput:
@@ -250,7 +251,7 @@ def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) ->
     max_pages = max(-(-s // page_size) for s in seq_lens)
     table = np.zeros((len(requests), max_pages), dtype=np.int64)
     for row, (req, seq_len) in enumerate(zip(requests, seq_lens, strict=True)):
-        pages = req.pages[: -(-seq_len // page_size)]
+        pages = req.page_mirror.first(req.pages, -(-seq_len // page_size))
         table[row, : len(pages)] = pages
     return table
 
@@ -259,7 +260,7 @@ def _to_device(arrays: list, device: torch.device) -> tuple[list[torch.Tensor], 
     """One host-to-device copy (from pinned memory on GPU) for every int64 input of the step: views
     of the arrays, and the flat buffer."""
     flat = [np.asarray(a, dtype=np.int64) for a in arrays]
-    host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in flat]))
+    host = torch.from_numpy(np.concatenate([a.ravel() for a in flat]))
     if device.type == "cuda":
         host = host.pin_memory()
     buffer = host.to(device, non_blocking=True)
@@ -269,7 +270,7 @@ def _to_device(arrays: list, device: torch.device) -> tuple[list[torch.Tensor], 
 def _split(buffer: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     out, offset = [], 0
     for shape in shapes:
-        size = int(np.prod(shape))
+        size = math.prod(shape)  # np.prod costs microseconds per call
         out.append(buffer[offset : offset + size].view(shape))
         offset += size
     return out

@@ -8,6 +8,9 @@ from specserve.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 
 
 class TextState:
+    """Tokens are detokenised when the text is read, or at once when a stop string must be checked:
+    a request nobody streams is decoded once, at its end, by the same incremental calls."""
+
     def __init__(
         self, tokenizer, prompt_ids: Sequence[int], stops: Sequence[str], skip_special_tokens: bool
     ) -> None:
@@ -15,13 +18,16 @@ class TextState:
         self._stops = StopMatcher(stops) if stops else None
         self._final: str | None = None
         self._sent = 0
+        self._unread: list[int] = []  # pushed ids not detokenised yet
 
     def push(self, token_id: int, *, check_stops: bool) -> str | None:
         """Add one token; returns the stop string it completed, if any (the text then ends before it)."""
+        if not (check_stops and self._stops):
+            self._unread.append(token_id)
+            return None
+        self._catch_up()
         before = len(self._detok.text)
         self._detok.push([token_id])
-        if not (check_stops and self._stops):
-            return None
         hit = self._stops.find(self._detok.text, before)
         if hit is None:
             return None
@@ -31,20 +37,30 @@ class TextState:
 
     def finish(self) -> None:
         if self._final is None:
+            self._catch_up()
             self._final = self._detok.text + self._detok.flush()
 
     @property
     def text(self) -> str:
-        return self._final if self._final is not None else self._detok.text
+        if self._final is not None:
+            return self._final
+        self._catch_up()
+        return self._detok.text
 
     def take_delta(self) -> str:
         """Text not streamed yet; while running, a tail that may still turn into a stop string is held back."""
         if self._final is not None:
             visible = self._final
-        elif self._stops is not None:
-            visible = self._detok.text[: self._stops.safe_len(self._detok.text)]
         else:
-            visible = self._detok.text
+            self._catch_up()
+            text = self._detok.text
+            visible = text[: self._stops.safe_len(text)] if self._stops is not None else text
         delta = visible[self._sent :]
         self._sent = max(self._sent, len(visible))
         return delta
+
+    def _catch_up(self) -> None:
+        # One token per call, as when each was pushed: the text cannot depend on when it is read.
+        for token_id in self._unread:
+            self._detok.push([token_id])
+        self._unread.clear()

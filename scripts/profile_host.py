@@ -1,0 +1,250 @@
+"""The host (CPU/Python) cost of the engine loop, per request and step, on the CPU.
+
+The real engine runs a tiny random-weight Llama that has the default model's vocabulary and
+tokenizer (so detokenisation is real) at batch 64 for a few hundred decode steps. The forward and the
+sampling kernels (what a GPU runs while the host works) are timed apart and left out; what remains is
+the host's share of a step, split by phase and divided by the batch: scheduling, input building, the
+rest of the launch (sampling rows, bookkeeping), settling (tokens, detokenisation, stop checks,
+outputs), the end of the step (stats, metrics sink) and the caller's loop. With `--cprofile` the
+same steps run again under cProfile and its top entries are printed.
+
+By default the lm_head scores only the first `--logit-vocab` ids (the tokens drawn are real
+tokens of the vocabulary all the same): on the CPU a full vocabulary means 12 MB of logits written
+and read again by the argmax every step, which evicts the caches between the host phases and makes
+every one of them read 3-5x slower than on a GPU host, where that work runs on the device.
+`--logit-vocab 0` keeps the full vocabulary.
+
+    python scripts/profile_host.py [--batch 64] [--steps 300] [--stop] [--server] [--cprofile 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import specserve.engine.engine as engine_module
+from specserve import LLM, SamplingParams
+from specserve.assets import dataset_path, pull
+from specserve.engine.scheduler import Scheduler
+from specserve.model.loader import load_model
+from specserve.model.tokenizer import chat_prompt_ids, load_tokenizer
+
+
+def tiny_model(folder: Path):
+    """A 1-layer, 16-wide random Llama with SmolLM2's tokenizer (its forward costs next to nothing
+    beside the lm_head, and both are excluded from the host figures)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = load_tokenizer(pull("smollm2-135m-instruct"))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+class Timers:
+    """Seconds per named phase, accumulated by wrapping the functions that own each phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.enabled = False
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+
+def instrument(llm: LLM, timers: Timers) -> None:
+    engine = llm.engine
+    timers.wrap(engine.runner, "execute", "device:forward")
+    timers.wrap(engine_module, "sample", "device:sample")
+    timers.wrap(engine_module, "build_step_input", "build_input")
+    timers.wrap(Scheduler, "schedule", "schedule")
+    for name in ("_launch", "_settle_step", "_run_batch", "_end_step"):
+        if hasattr(engine, name):
+            timers.wrap(engine, name, name.strip("_"))
+
+
+def run_steps(llm: LLM, steps: int) -> None:
+    """`steps` engine steps, their outputs consumed as `LLM.generate` consumes them."""
+    engine, done = llm.engine, {}
+    for _ in range(steps):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+
+
+def start_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams, stream: bool) -> list[str]:
+    """Add the requests and step until every one is decoding (prefill done, first token out)."""
+    add = llm.engine.add_request
+    # The offline LLM reads only each request's last output; a server streams every step's.
+    ids = [add(p, params) if stream else _add_offline(add, p, params) for p in prompts]
+    reqs = [llm.engine._requests[i] for i in ids]
+    while not all(r.num_output - r.num_pending >= 1 for r in reqs):
+        llm.engine.step()
+    return ids
+
+
+def _add_offline(add, prompt: list[int], params: SamplingParams) -> str:
+    try:
+        return add(prompt, params, stream=False)
+    except TypeError:  # an engine from before `stream` (the baseline): it streams every request
+        return add(prompt, params)
+
+
+def finish(llm: LLM, ids: list[str]) -> None:
+    for request_id in ids:
+        llm.engine.abort(request_id)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.check_kv_accounting()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300, help="decode steps timed")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; each figure is its least")
+    parser.add_argument("--stop", action="store_true", help="give every request two stop strings")
+    parser.add_argument(
+        "--server", action="store_true", help="as a server runs it: streamed requests, metrics sink"
+    )
+    parser.add_argument("--no-overlap", action="store_true", help="synchronous steps")
+    parser.add_argument("--logit-vocab", type=int, default=2048, help="ids the lm_head scores (0: all)")
+    parser.add_argument("--page-size", type=int, default=1, help="1: as the offline bench; serve: 16")
+    parser.add_argument("--cprofile", type=int, default=0, help="top cProfile entries to print")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = tiny_model(Path(tmp) / "model")
+    llm = LLM(
+        loaded,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        cuda_graphs=False,
+        overlap_schedule=not args.no_overlap,
+        page_size=args.page_size,
+        max_running_requests=args.batch,
+        max_total_tokens=args.batch * 1024,
+        max_batched_tokens=8192,
+    )
+    if args.logit_vocab:
+        head = llm.engine.model.lm_head.weight[: args.logit_vocab]
+        llm.engine.model.compute_logits = lambda hidden: torch.nn.functional.linear(hidden, head).float()
+    if args.server:
+        from specserve.metrics import EngineMetrics
+
+        llm.engine.attach_stats_sink(EngineMetrics("profile", "profile"))
+    lines = dataset_path("mt-bench").read_text().splitlines()
+    questions = [json.loads(line)["turns"][0] for line in lines if line.strip()]
+    prompts = [chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    prompts = (prompts * (args.batch // len(prompts) + 1))[: args.batch]
+    params = SamplingParams(
+        max_new_tokens=args.steps + 16,
+        temperature=0.0,
+        ignore_eos=True,
+        stop=("<|im_end|>\n\n\n", "STOP HERE") if args.stop else (),
+    )
+    timers = Timers()
+    instrument(llm, timers)
+    gc.collect()
+    gc.freeze()  # as the bench and the replicas do
+
+    runs = []
+    for _ in range(args.repeats):
+        ids = start_batch(llm, prompts, params, args.server)
+        timers.seconds.clear()
+        timers.enabled = True
+        start = time.perf_counter()
+        run_steps(llm, args.steps)
+        wall = time.perf_counter() - start
+        timers.enabled = False
+        runs.append(phase_seconds(wall, dict(timers.seconds)))
+        finish(llm, ids)
+    # The machine may be shared: each figure is its least over the runs (noise only ever adds).
+    report(args, {k: min(run[k] for run in runs) for k in runs[0]})
+
+    if args.cprofile:
+        ids = start_batch(llm, prompts, params, args.server)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run_steps(llm, args.steps)
+        profiler.disable()
+        finish(llm, ids)
+        stats = pstats.Stats(profiler).sort_stats("tottime")
+        stats.print_stats(args.cprofile)
+
+
+def phase_seconds(wall: float, seconds: dict[str, float]) -> dict[str, float]:
+    """Host seconds per phase of one timed run (device work taken out), and their total."""
+    device = sum(v for k, v in seconds.items() if k.startswith("device:"))
+    build = seconds.get("build_input", 0.0)
+    if "run_batch" in seconds:  # synchronous steps: postprocess is what is left of the batch
+        launch, settle = 0.0, seconds["run_batch"] - build - device
+    else:
+        launch, settle = seconds.get("launch", 0.0) - build - device, seconds.get("settle_step", 0.0)
+    phases = {
+        "device (left out)": device,
+        "schedule": seconds.get("schedule", 0.0),
+        "build_input": build,
+        "launch (rest)": launch,
+        "settle/postprocess": settle,
+        "end_step (stats)": seconds.get("end_step", 0.0),
+    }
+    phases["other (step, caller loop)"] = wall - sum(phases.values())
+    phases["HOST TOTAL"] = wall - device
+    return phases
+
+
+def report(args: argparse.Namespace, phases: dict[str, float]) -> None:
+    per = 1e6 / (args.steps * args.batch)  # seconds -> µs per request-step
+    print(
+        f"batch {args.batch}, {args.steps} decode steps, least of {args.repeats} runs; "
+        f"overlap={not args.no_overlap} page_size={args.page_size} stop={args.stop} server={args.server} "
+        f"logit_vocab={args.logit_vocab or 'all'}"
+    )
+    for name, value in phases.items():
+        if name != "HOST TOTAL":
+            print(f"  {name:<28}{value * per:8.2f} µs/request-step")
+    host = phases["HOST TOTAL"]
+    print(f"  {'HOST TOTAL':<28}{host * per:8.2f} µs/request-step  ({host / args.steps * 1e3:.3f} ms/step)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: v * per for k, v in phases.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
