@@ -691,8 +691,9 @@ def make_graphs(
         return None
     spec = config.speculative
     max_draft = spec.num_steps if spec is not None and spec.topk == 1 else 0
+    tree_len = spec.draft_tokens + 1 if spec is not None and spec.topk > 1 else 0
     max_batch = min(config.cuda_graph_max_batch, config.scheduler.max_running_requests)
-    buckets = GraphBuckets.for_engine(max_batch, max_draft)
+    buckets = GraphBuckets.for_engine(max_batch, max_draft, tree_len)
     return CudaGraphs(model, backend, kv_cache, buckets, max_model_len, capture)
 
 

@@ -19,7 +19,7 @@ A draft tree (`Request.draft_tree`, topk > 1) is a request's tokens given as a f
 parent among the step's tokens (-1: the context before them). It sits at position start + depth but
 at context slot start + j, and sees its ancestors only: the step gets a custom mask, built on the
 device from the flat indices of its ancestor entries (a few hundred ints a tree), causal for every
-other request. Steps with trees are never padded to a graph bucket.
+other request. A step with trees is padded only to a graph bucket that has a tree mask.
 """
 
 from __future__ import annotations
@@ -121,8 +121,9 @@ def build_step_input(
     graph_bucket: Callable[[int, int], tuple[int, int] | None] | None = None,
     future: Mapping[str, int] | None = None,
 ) -> StepInput:
-    """`graph_bucket(batch, max_query_len)`: the CUDA-graph bucket (batch, query len) a decode or
-    verify step of that shape is padded to, or None (eager). `future`: for requests whose last
+    """`graph_bucket(batch, max_query_len[, tree=True])`: the CUDA-graph bucket (batch, query len) a
+    decode or verify step of that shape (with a draft tree: a bucket with a tree mask) is padded to,
+    or None (eager). `future`: for requests whose last
     token an in-flight step is still sampling (FUTURE_TOKEN), that token's row among the in-flight
     step's samples; its id goes in as -(row + 1), for the runner to resolve on the device."""
     ids: list[int] = []
@@ -153,8 +154,13 @@ def build_step_input(
     query_lens = [item.num_tokens for item in items]
     pad = None
     has_tree = any(f is not None for f in forest)
-    if graph_bucket is not None and logit_rows == list(range(len(ids))) and not has_tree:
-        pad = graph_bucket(len(items), max(query_lens))
+    if graph_bucket is not None and logit_rows == list(range(len(ids))):
+        # A tree needs a bucket with a mask; other steps take any (a masked one fills in causal).
+        pad = (
+            graph_bucket(len(items), max(query_lens), tree=True)
+            if has_tree
+            else graph_bucket(len(items), max(query_lens))
+        )
     input_ids, pos, attention, (rows, sample_rows_t), packed, mask_entries = _batch_tensors(
         [item.request for item in items],
         [item.start for item in items],
@@ -240,9 +246,6 @@ def _batch_tensors(
     table = _page_table(requests, seq_lens, page_size)
     max_query_len = max(query_lens)
     token_arrays = [np.asarray(a, dtype=np.int64) for a in (ids, positions, slots)]
-    mask_arrays: list[np.ndarray] = []
-    if forest is not None and any(f is not None for f in forest):
-        mask_arrays = _forest_layout(forest, starts, query_start, max_query_len, token_arrays[1])
     if pad is not None:
         batch, max_query_len = pad
         tokens = batch * max_query_len
@@ -250,6 +253,10 @@ def _batch_tensors(
         query_start = _pad(query_start, batch + 1, query_start[-1])
         seq_lens = _pad(np.asarray(seq_lens, dtype=np.int64), batch, 0)
         table = np.concatenate([table, np.zeros((batch - len(requests), table.shape[1]), np.int64)])
+    mask_arrays: list[np.ndarray] = []
+    if forest is not None and any(f is not None for f in forest):
+        padded = [*forest, *[None] * (len(seq_lens) - len(forest))]  # pad requests: causal
+        mask_arrays = _forest_layout(padded, starts, query_start, max_query_len, token_arrays[1])
     arrays = [*token_arrays, query_start, seq_lens, table, *extra, *mask_arrays]
     views, packed = _to_device(arrays, device)
     input_ids, pos, slots_t, *layout_tensors = views[:6]

@@ -128,6 +128,7 @@ class TreeSearch:
         self.topk, self.num_nodes, self.vocab = topk, num_nodes, vocab
         self.to_target_ids, self.to_target_probs = to_target_ids, to_target_probs
         self.nodes: list[list[_Node]] = [[] for _ in self.reqs]
+        self.newest: list[list[int]] = [[] for _ in self.reqs]  # node ids of the last expansion
         self.root_children: list[list[int]] = [[] for _ in self.reqs]
         self.root_q: list[torch.Tensor | None] = [None] * len(self.reqs)
 
@@ -144,7 +145,7 @@ class TreeSearch:
         for b, nodes in enumerate(self.nodes):
             if self.depths[b] <= step:
                 continue
-            newest = [i for i, n in enumerate(nodes) if n.depth == step]
+            newest = [i for i in self.newest[b] if nodes[i].depth == step]
             best = sorted(newest, key=lambda i: (-nodes[i].score, i))[: self.topk]
             request += [b] * len(best)
             node += best
@@ -163,6 +164,8 @@ class TreeSearch:
         if not len(where):
             return
         ids, scores, q = self._candidates(where, logits)
+        for b in set(where.request):
+            self.newest[b] = []
         for j, (b, parent) in enumerate(zip(where.request, where.node, strict=True)):
             nodes = self.nodes[b]
             base = 0.0 if parent < 0 else nodes[parent].score
@@ -172,6 +175,7 @@ class TreeSearch:
                 if score == float("-inf"):
                     break  # q has no more support
                 kids.append(len(nodes))
+                self.newest[b].append(len(nodes))
                 nodes.append(_Node(int(token), parent, depth, base + float(score)))
             row_q = None if q is None or self.reqs[b].params.greedy else q[j]
             if parent < 0:
@@ -184,14 +188,14 @@ class TreeSearch:
         drawn first, and the sampling rows' q over the target vocabulary (None if all greedy)."""
         k = min(self.topk, logits.shape[1])
         reqs = [self.reqs[b] for b in where.request]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if all(r.params.greedy for r in reqs):
+            scores, ids = logp.topk(k, dim=-1)
+            return self.to_target_ids(ids).tolist(), scores.tolist(), None
         counters = [
             r.num_output + self._depth(b, n) for r, b, n in zip(reqs, where.request, where.node, strict=True)
         ]
         rows = [r.sampling_row(c) for r, c in zip(reqs, counters, strict=True)]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        if all(row.temperature == 0 for row in rows):
-            scores, ids = logp.topk(k, dim=-1)
-            return self.to_target_ids(ids).tolist(), scores.tolist(), None
         batch = SamplingBatch.build(rows, logits.device)
         q = filtered_probs(logits, batch)
         streams = [self._stream(b, n) for b, n in zip(where.request, where.node, strict=True)]
