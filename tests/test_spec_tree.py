@@ -102,6 +102,7 @@ def test_ngram_tree_merges_continuations():
     tree = drafter.propose_tree(tokens, depth=3, topk=2, num_nodes=5)
     # [1, 2] occurs at 8, 4, 0 (latest first): 3 7 1 / 5 6 1 / 3 4 1 (4 is the second child of 3).
     assert list(tree.tokens) == [3, 7, 1, 5, 6]
+    assert list(tree.tokens[:3]) == drafter.propose(tokens, 3)  # the chain is the tree's first path
     assert tree.parents.tolist() == [0, 1, 2, 0, 4]
     assert tree.cand_tokens[0].tolist() == [3, 5] and tree.cand_rows[0].tolist() == [1, 4]
     assert tree.cand_tokens[1].tolist() == [7, 4] and tree.cand_rows[1].tolist() == [2, -1]
