@@ -24,3 +24,10 @@ def use_triton(device) -> bool:
     kernel path; the interpreter is far too slow to serve with).
     """
     return getattr(device, "type", device) == "cuda" or _os.environ.get("SPECSERVE_TRITON_CPU") == "1"
+
+
+def check_indices() -> bool:
+    """Whether the engine asks its kernel launchers to assert every index in bounds (a host sync per
+    launch): SPECSERVE_CHECK_INDICES=1, which the test suite sets. Host-built index lists (the KV
+    moves) are checked always; they cost no sync."""
+    return _os.environ.get("SPECSERVE_CHECK_INDICES") == "1"

@@ -22,7 +22,13 @@ import torch
 from specserve.bench_data import add_dataset_arguments, cycle, prompt_texts
 from specserve.bench_plot import plot_throughput
 from specserve.bench_report import format_table, run_info, write_json
-from specserve.cli_spec_args import add_speculative_arguments, parse_spec, spec_name, speculative_from_args
+from specserve.cli_spec_args import (
+    add_speculative_arguments,
+    draft_slots,
+    parse_spec,
+    spec_name,
+    speculative_from_args,
+)
 from specserve.config import ATTENTION_BACKENDS
 from specserve.types import SamplingParams
 
@@ -70,9 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         type=parse_spec,
-        metavar="METHOD[:NUM_STEPS[:DRAFT_MODEL]]",
-        help="a speculative configuration to run besides plain decoding (repeatable), "
-        "e.g. ngram:4 or eagle3:5:path/to/head",
+        metavar="METHOD[:SHAPE[:DRAFT_MODEL]]",
+        help="a speculative configuration to run besides plain decoding (repeatable); SHAPE is "
+        "NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree), "
+        "e.g. ngram:4, ngram:6x8x64 or eagle3:5x4x16:path/to/head",
     )
     add_speculative_arguments(parser)  # one more configuration, the older way
     parser.add_argument(
@@ -125,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"specserve bench: error: no {args.dataset} prompt fits {room} tokens", file=sys.stderr)
         return 2
     prompts = cycle(fitting, max(batch_sizes))
-    pool = args.max_total_tokens or _pool_tokens(prompts, args, _max_steps(specs))
+    pool = args.max_total_tokens or _pool_tokens(prompts, args, max(map(draft_slots, specs)))
     engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
     plain = engines[PLAIN]
     hf = _load_hf(plain) if args.peer == "hf" else None
@@ -203,11 +210,12 @@ def _prompt_lookup_tokens(specs: list[dict | None], default: int) -> int:
     return next((s["num_steps"] for s in specs if s and s["method"] == "ngram"), default)
 
 
-def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, steps: int) -> int:
-    """KV slots for the largest batch with every request at full length (drafts and page rounding
-    included): engines share the GPU, so none may size its pool from free memory and starve the next."""
+def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, slots: int) -> int:
+    """KV slots for the largest batch with every request at full length (draft slots and page
+    rounding included): engines share the GPU, so none may size its pool from free memory and
+    starve the next."""
     longest = max(len(p) for p in prompts)
-    return len(prompts) * (longest + args.max_new_tokens + steps + 1 + 2 * args.page_size)
+    return len(prompts) * (longest + args.max_new_tokens + slots + 1 + 2 * args.page_size)
 
 
 def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batch: int, pool: int):

@@ -1,7 +1,8 @@
 """The speculative-decoding flags `generate` and `bench` share, and the config they make.
 
-`--speculative/--num-steps/--draft-model` name one configuration; `bench` also takes `--spec` specs
-(`METHOD[:NUM_STEPS[:DRAFT_MODEL]]`, repeatable) to compare several in one run.
+`--speculative/--num-steps/--topk/--num-draft-tokens/--draft-model` name one configuration; `bench`
+also takes `--spec` specs (`METHOD[:SHAPE[:DRAFT_MODEL]]`, repeatable) to compare several in one run,
+where SHAPE is NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="draft tokens per step with --speculative"
     )
     parser.add_argument(
+        "--topk", type=int, default=1, help="candidates per draft-tree node with --speculative (1: a chain)"
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="draft-tree nodes verified per step with --topk > 1 (default: min(topk * num-steps, 64))",
+    )
+    parser.add_argument(
         "--draft-model",
         default=None,
         help="standalone: a smaller model (asset, .gguf or HF folder); eagle/eagle3/mtp: the head's HF folder",
@@ -31,22 +41,32 @@ def speculative_from_args(args: argparse.Namespace) -> dict | None:
     if not args.speculative:
         return None
     spec = {"method": args.speculative, "num_steps": args.num_steps}
+    if args.topk != 1:
+        spec["topk"] = args.topk
+    if args.num_draft_tokens is not None:
+        spec["num_draft_tokens"] = args.num_draft_tokens
     if args.draft_model:
         spec["draft_model"] = args.draft_model
     return spec
 
 
 def parse_spec(text: str) -> dict:
-    """`METHOD[:NUM_STEPS[:DRAFT_MODEL]]` (e.g. `ngram:4`, `eagle3:5:heads/llama3-eagle3`) as a
-    validated speculative config mapping; an argparse type, so a bad spec is a usage error."""
+    """`METHOD[:SHAPE[:DRAFT_MODEL]]` (e.g. `ngram:4`, `ngram:6x8x64`, `eagle3:5:heads/llama3-eagle3`)
+    as a validated speculative config mapping; SHAPE is NUM_STEPS[xTOPK[xNUM_DRAFT_TOKENS]]. An
+    argparse type, so a bad spec is a usage error."""
     method, _, rest = text.partition(":")
-    steps, _, draft = rest.partition(":")  # the draft path keeps any further colons
+    shape, _, draft = rest.partition(":")  # the draft path keeps any further colons
     spec: dict = {"method": method, "num_steps": DEFAULT_NUM_STEPS}
-    if steps:
+    if shape:
         try:
-            spec["num_steps"] = int(steps)
+            numbers = [int(part) for part in shape.split("x")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: NUM_STEPS must be an integer") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: SHAPE must be NUM_STEPS[xTOPK[xNUM_DRAFT_TOKENS]] (integers)"
+            ) from None
+        if len(numbers) > 3:
+            raise argparse.ArgumentTypeError(f"{text!r}: SHAPE has at most three numbers")
+        spec.update(zip(("num_steps", "topk", "num_draft_tokens"), numbers, strict=False))
     if draft:
         spec["draft_model"] = draft
     try:
@@ -57,5 +77,23 @@ def parse_spec(text: str) -> dict:
 
 
 def spec_name(spec: dict | None) -> str:
-    """A system's name in bench reports: `specserve` (plain) or `specserve-METHOD-NUM_STEPS`."""
-    return "specserve" if spec is None else f"specserve-{spec['method']}-{spec['num_steps']}"
+    """A system's name in bench reports: `specserve` (plain), `specserve-METHOD-NUM_STEPS` (a chain)
+    or `specserve-METHOD-NUM_STEPSxTOPKxNUM_DRAFT_TOKENS` (a tree)."""
+    if spec is None:
+        return "specserve"
+    config = SpeculativeConfig.from_value(spec)
+    shape = str(config.num_steps)
+    if config.topk > 1:
+        shape += f"x{config.topk}x{config.draft_tokens}"
+    return f"specserve-{config.method}-{shape}"
+
+
+def draft_slots(spec: dict | None) -> int:
+    """KV slots a request may need past its tokens for one draft (a chain's drafts, or a tree's
+    verify and drafting slots, `Drafter.tree_slots`)."""
+    if spec is None:
+        return 0
+    config = SpeculativeConfig.from_value(spec)
+    if config.topk == 1:
+        return config.num_steps
+    return max(config.draft_tokens, config.topk * (config.num_steps - 1))

@@ -63,16 +63,21 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "standalone", "eagle", "eagle3", "mtp")
+MAX_TOPK = 16
+MAX_DRAFT_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: a drafter proposes `num_steps` tokens, one target pass verifies them."""
+    """Speculative decoding: a drafter proposes `num_steps` tokens (a chain, topk 1) or a tree of
+    `num_draft_tokens` nodes up to `num_steps` deep with `topk` candidates a node; one target pass
+    verifies them."""
 
     method: str = "ngram"
     num_steps: int = 4
     topk: int = 1
-    num_draft_tokens: int | None = None  # chain drafting: num_steps
+    # Tree nodes (None: num_steps for a chain, min(topk * num_steps, 64) for a tree).
+    num_draft_tokens: int | None = None
     ngram_min_match: int = 1
     ngram_max_match: int = 4
     # standalone: a smaller model with the target's tokenizer (asset name, .gguf or HF folder);
@@ -93,17 +98,39 @@ class SpeculativeConfig:
             "speculative.num_steps",
             "must be an integer in [1, 64]",
         )
-        _require(self.topk == 1, "speculative.topk", "only chain drafting (topk 1) is supported so far")
         _require(
-            self.num_draft_tokens in (None, self.num_steps),
+            isinstance(self.topk, int) and not isinstance(self.topk, bool) and 1 <= self.topk <= MAX_TOPK,
+            "speculative.topk",
+            f"must be an integer in [1, {MAX_TOPK}]",
+        )
+        if self.topk == 1:
+            _require(
+                self.num_draft_tokens in (None, self.num_steps),
+                "speculative.num_draft_tokens",
+                "must equal num_steps for chain drafting (topk 1)",
+            )
+        _require(
+            self.num_draft_tokens is None
+            or (
+                isinstance(self.num_draft_tokens, int)
+                and not isinstance(self.num_draft_tokens, bool)
+                and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS
+            ),
             "speculative.num_draft_tokens",
-            "must equal num_steps for chain drafting",
+            f"must be null or an integer in [1, {MAX_DRAFT_TOKENS}]",
         )
         _require(
             1 <= self.ngram_min_match <= self.ngram_max_match,
             "speculative.ngram_min_match",
             "must be >= 1 and <= ngram_max_match",
         )
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens a step verifies at most: `num_draft_tokens`, or its default."""
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return self.num_steps if self.topk == 1 else min(self.topk * self.num_steps, 64)
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

@@ -17,6 +17,8 @@ import torch
 # triton: helpers inside triton.language are jitted at import time, in whichever mode is set then.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every kernel launch the engine makes asserts its indices in bounds (specserve_kernels.check_indices).
+os.environ.setdefault("SPECSERVE_CHECK_INDICES", "1")
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from scipy.stats import chisquare
 
 from specserve.engine.engine import Engine
 from specserve.engine.request import Request
@@ -96,3 +99,24 @@ def agreement(ours, reference, prompts: Sequence[Sequence[int]], max_new_tokens:
         max_abs=(mine - theirs).abs().max().item(),
         max_rel=max_rel_error(mine, theirs),
     )
+
+
+def motif_prompts(count: int, vocab: int, seed: int = 4, max_noise: int = 30) -> list[list[int]]:
+    """Prompts of random noise then a short motif repeated 1-4 times (so n-gram lookups hit), ids in
+    [3, vocab)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        motif = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 6))]
+        noise = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_noise))]
+        out.append(noise + motif * (1 + i % 4))
+    return out
+
+
+def assert_follows(samples: list[int], expected: np.ndarray) -> None:
+    """χ²: the samples are drawn from `expected` (probabilities over ids), never outside its support."""
+    counts = np.bincount(samples, minlength=expected.size)
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token outside the filtered support was emitted"
+    stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * len(samples))
+    assert stat.pvalue > 1e-3, stat

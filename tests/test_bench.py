@@ -13,7 +13,7 @@ from specserve.bench_data import cycle, mtbench_texts, select_texts, sharegpt_te
 from specserve.bench_plot import plot_throughput
 from specserve.bench_report import format_table, run_info
 from specserve.cli import _with_bench_mode
-from specserve.cli_spec_args import parse_spec, spec_name
+from specserve.cli_spec_args import draft_slots, parse_spec, spec_name
 
 
 def test_mtbench_first_turns_in_file_order(mtbench_questions):
@@ -64,7 +64,28 @@ def test_spec_parsing():
         "draft_model": "heads/a:b",
     }
     assert spec_name(parse_spec("mtp:3:h")) == "specserve-mtp-3" and spec_name(None) == "specserve"
-    for bad, why in [("magic:4", "method"), ("ngram:x", "NUM_STEPS"), ("eagle3:5", "draft_model")]:
+    tree = parse_spec("eagle3:6x8x64:heads/a")
+    assert tree == {
+        "method": "eagle3",
+        "num_steps": 6,
+        "topk": 8,
+        "num_draft_tokens": 64,
+        "draft_model": "heads/a",
+    }
+    assert spec_name(tree) == "specserve-eagle3-6x8x64"
+    assert spec_name(parse_spec("ngram:4x2")) == "specserve-ngram-4x2x8"  # the default node count
+    assert draft_slots(tree) == 64 and draft_slots(parse_spec("ngram:6x16x8")) == 80
+    assert draft_slots(parse_spec("ngram:3")) == 3 and draft_slots(None) == 0
+    bad_specs = [
+        ("magic:4", "method"),
+        ("ngram:x", "NUM_STEPS"),
+        ("eagle3:5", "draft_model"),
+        ("ngram:4x0", "topk"),
+        ("ngram:4x2x1000", "num_draft_tokens"),
+        ("ngram:4x1x3", "num_draft_tokens"),
+        ("ngram:4x2x8x1", "SHAPE"),
+    ]
+    for bad, why in bad_specs:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_spec(bad)
 

@@ -52,6 +52,11 @@ def test_generate_with_a_draft_head(tiny_folder, tmp_path, capsys):
     assert main([*args, "--draft-model", str(head)]) == 0
     meta = json.loads(capsys.readouterr().out)["meta_info"]
     assert meta["completion_tokens"] == 6 and meta["spec_verify_ct"] >= 2
+    tree = ["--topk", "2", "--num-draft-tokens", "4", "--draft-model", str(head)]
+    assert main([*args, *tree]) == 0  # a draft tree
+    assert json.loads(capsys.readouterr().out)["meta_info"]["completion_tokens"] == 6
+    assert main([*args, "--topk", "1", "--num-draft-tokens", "4", "--draft-model", str(head)]) == 2
+    assert "speculative.num_draft_tokens" in capsys.readouterr().err
     assert main(args) == 2  # a head method without its folder
     assert "speculative.draft_model" in capsys.readouterr().err
 
@@ -84,7 +89,7 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     generate beside them, two batch sizes; JSON rows for each, the table, and the PNG."""
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--max-new-tokens", "4"]
-    argv += ["--device", "cpu", "--hf", "--spec", "ngram:3", "--out", str(out)]
+    argv += ["--device", "cpu", "--hf", "--spec", "ngram:3", "--spec", "ngram:3x2x4", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["attention_backend"] == "torch"  # auto on the CPU
@@ -93,11 +98,16 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     assert report["systems"]["specserve-ngram-3"]["speculative"] == {"method": "ngram", "num_steps": 3}
     rows = {(r["system"], r["batch_size"]): r for r in report["rows"]}
     assert set(rows) == {
-        *((system, b) for system in ("specserve", "specserve-ngram-3", "hf-generate") for b in (1, 3)),
+        *(
+            (s, b)
+            for s in ("specserve", "specserve-ngram-3", "specserve-ngram-3x2x4", "hf-generate")
+            for b in (1, 3)
+        ),
         ("hf-generate-prompt-lookup", 1),
     }
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows.values())
     assert rows[("specserve-ngram-3", 3)]["accept_length"] >= 1
+    assert report["systems"]["specserve-ngram-3x2x4"]["speculative"]["topk"] == 2
     assert rows[("specserve", 3)]["accept_length"] is None
     printed = capsys.readouterr().out
     assert "tok/s" in printed and "specserve-ngram-3" in printed

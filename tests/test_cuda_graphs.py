@@ -84,6 +84,12 @@ def test_buckets():
     assert buckets.pick(40, 5) == (40, 5)
     assert buckets.pick(41, 1) is None and buckets.pick(1, 6) is None
     assert GraphBuckets.for_engine(max_batch=3, max_draft=0) == GraphBuckets((1, 2, 3), (1,))
+    trees = GraphBuckets.for_engine(max_batch=40, max_draft=0, tree_len=65)
+    assert trees.query_lens == (1, 65) and trees.masked_lens == (65,) and trees.max_masked_batch == 16
+    assert trees.pick(9, 1) == (16, 1) and trees.pick(3, 40, tree=True) == (4, 65)
+    assert trees.pick(17, 65, tree=True) is None and trees.pick(30, 1) == (32, 1)
+    assert (24, 65) not in trees.shapes() and (16, 65) in trees.shapes()
+    assert buckets.pick(2, 3, tree=True) is None  # no masked bucket: a tree step stays eager
 
 
 def test_padding_touches_no_real_slot():
@@ -123,6 +129,22 @@ def test_graphed_steps_equal_eager(target, graphed_runs, page_size, speculative)
     if speculative:  # verify steps ran in the (batch, num_steps + 1) graphs, and drafts were accepted
         assert 4 in {q for _, q in graphed_runs}
         assert sum(o.meta["spec_accepted_tokens"] for o in reference) > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "standalone"])
+def test_graphed_tree_steps_equal_eager(target, graphed_runs, method):
+    """Draft-tree verify steps replay masked buckets (query len num_draft_tokens + 1, the tree mask
+    copied in; decode steps beside them in unmasked ones): outputs equal eager steps."""
+    spec = {"method": method, "num_steps": 3, "topk": 2, "num_draft_tokens": 4}
+    if method == "standalone":
+        spec["draft_model"] = str(target.location.path)
+    prompts = _prompts(5, seed=2)
+    reference = _llm(target, False, 4, speculative=spec).generate(prompts, _params(5))
+    assert not graphed_runs
+    outs = _llm(target, True, 4, speculative=spec).generate(prompts, _params(5))
+    assert_same_outputs(outs, reference)
+    assert 5 in {q for _, q in graphed_runs}
+    assert sum(o.meta["spec_accepted_tokens"] for o in reference) > 0
 
 
 def test_hidden_state_drafter_reads_graphed_features(target, graphed_runs, tmp_path):

@@ -104,25 +104,46 @@ def test_bf16_speculative_greedy_match_rate(bf16_plain, mtbench_questions, metho
         kwargs = {"eagle3": {"draft_vocab_size": 8192}, "mtp": {"num_modules": 2}}.get(method, {})
         config, tensors = random_head(method, loaded.arch, seed=3, init_std=0.02, **kwargs)
         spec["draft_model"] = str(save_head(tmp_path / method, config, tensors))
-    llm = LLM(loaded, device="cuda", dtype="bfloat16", max_total_tokens=16384, speculative=spec)
-    prompts = _prompts(bf16_plain, mtbench_questions)
+    figures = _speculative_figures(bf16_plain, mtbench_questions, spec)
+    _report(f"bf16_{method}_vs_plain", figures)
+    assert figures["first_tokens_agree"]
+
+
+def _speculative_figures(plain: LLM, questions, spec: dict) -> dict:
+    """Greedy agreement of a speculative engine with plain decoding over 64 tokens, and its accept length."""
+    llm = LLM(plain.engine.loaded, device="cuda", dtype="bfloat16", max_total_tokens=16384, speculative=spec)
+    prompts = _prompts(plain, questions)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    a, b = bf16_plain.generate(prompts, params), llm.generate(prompts, params)
+    a, b = plain.generate(prompts, params), llm.generate(prompts, params)
     identical = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
     prefix = [_common_prefix(x.token_ids, y.token_ids) for x, y in zip(a, b, strict=True)]
-    accept = sum(o.meta["completion_tokens"] for o in b) / sum(o.meta["spec_verify_ct"] for o in b)
-    _report(
-        f"bf16_{method}_vs_plain",
-        {
-            "prompts": len(prompts),
-            "identical": identical,
-            "match_rate": identical / len(prompts),
-            "mean_matching_prefix_tokens": sum(prefix) / len(prefix),
-            "accept_length": accept,
-        },
-    )
-    assert all(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True))
+    return {
+        "prompts": len(prompts),
+        "identical": identical,
+        "match_rate": identical / len(prompts),
+        "mean_matching_prefix_tokens": sum(prefix) / len(prefix),
+        "accept_length": sum(o.meta["completion_tokens"] for o in b)
+        / sum(o.meta["spec_verify_ct"] for o in b),
+        "first_tokens_agree": all(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True)),
+    }
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize(
+    ("method", "shape"), [("ngram", (4, 4, 16)), ("ngram", (6, 8, 64)), ("standalone", (4, 4, 16))]
+)
+def test_bf16_tree_speculation_figures(bf16_plain, mtbench_questions, method, shape):
+    """Draft trees in bf16 on the GPU (the Triton tree-masked attention, verify_tree and kv_move
+    kernels natively): report the accept length and how often greedy outputs match plain decoding
+    (the standalone self-draft accepts its argmax path every step)."""
+    loaded = bf16_plain.engine.loaded
+    num_steps, topk, nodes = shape
+    spec = {"method": method, "num_steps": num_steps, "topk": topk, "num_draft_tokens": nodes}
+    if method == "standalone":
+        spec["draft_model"] = str(loaded.location.path)
+    figures = _speculative_figures(bf16_plain, mtbench_questions, spec)
+    _report(f"bf16_{method}_{num_steps}x{topk}x{nodes}_vs_plain", figures)
+    assert figures["first_tokens_agree"] and figures["accept_length"] > 1.0

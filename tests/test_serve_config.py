@@ -68,6 +68,11 @@ def test_autoscale_file_plugs_in_the_engine_load_policy():
         ({"speculative": {"method": "magic"}}, "speculative.method"),
         ({"speculative": {"method": "eagle"}}, "speculative.draft_model"),
         ({"speculative": {"method": "ngram", "bogus": 1}}, "speculative"),
+        ({"speculative": {"method": "ngram", "topk": 0}}, "speculative.topk"),
+        (
+            {"speculative": {"method": "ngram", "topk": 4, "num_draft_tokens": 300}},
+            "speculative.num_draft_tokens",
+        ),
         ({"device": "tpu"}, "device"),
         ({"dtype": "int8"}, "dtype"),
         ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling.max_replicas"),
@@ -95,6 +100,8 @@ def test_defaults_are_the_embedded_model_with_its_drafter():
     assert engine.speculative is not None and engine.speculative.method == "ngram"
     assert (config.host, config.port) == ("127.0.0.1", 8000)
     assert ServeConfig(speculative=None).engine_config().speculative is None
+    tree = ServeConfig(speculative={"method": "ngram", "topk": 4, "num_draft_tokens": 16}).engine_config()
+    assert (tree.speculative.topk, tree.speculative.draft_tokens) == (4, 16)
 
 
 def _ctx(current, ongoing, metrics, low=1, high=4):

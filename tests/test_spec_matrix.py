@@ -8,8 +8,6 @@ model over the same vocabulary.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
 
+from engine_utils import motif_prompts
 from tiny_models import save_tiny_llama3, save_tiny_qwen2
 
 VOCAB = 96
@@ -45,13 +44,7 @@ def draft_models(target, smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(4)
-    out = []
-    for i in range(7):
-        motif = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 6))]
-        noise = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
-        out.append(noise + motif * (1 + i % 4))
-    return out
+    return motif_prompts(7, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,7 @@ from specserve.model.parallel import (
     split_range,
 )
 from specserve.model.tokenizer import load_tokenizer
+from specserve.spec.ngram import NgramDrafter
 from specserve.types import SamplingParams
 
 from engine_utils import last_logits, max_rel_error
@@ -128,7 +129,7 @@ def test_tp2_equals_tp1(models, prompts, model):
 def test_tp2_speculative_equals_tp1(models, prompts, tmp_path):
     """ngram, an EAGLE-3 head (bound on rank 0 to whole copies of the vocab-sharded embedding and
     lm_head) and a standalone drafter that is the target checkpoint itself (loaded whole on rank 0,
-    so every draft is accepted): greedy output equals the TP=1 target alone."""
+    so every draft is accepted), as a chain and as a tree: greedy output equals the TP=1 target alone."""
     target = models["llama3-4q2kv"]
     arch = load_checkpoint(target).arch
     head = save_head(tmp_path / "eagle3", *random_head("eagle3", arch, seed=3, draft_vocab_size=48))
@@ -136,6 +137,8 @@ def test_tp2_speculative_equals_tp1(models, prompts, tmp_path):
         {"method": "ngram", "num_steps": 3},
         {"method": "eagle3", "num_steps": 3, "draft_model": str(head)},
         {"method": "standalone", "num_steps": 3, "draft_model": target},
+        # Trees: the tree mask travels in the packed step, the accepted-path KV moves to every rank.
+        {"method": "standalone", "num_steps": 3, "topk": 4, "num_draft_tokens": 8, "draft_model": target},
     ]
     configs = [_config(target, 2, 16, SpeculativeConfig.from_value(s)) for s in specs]
     got = _run_tp2(configs, prompts)
@@ -146,6 +149,7 @@ def test_tp2_speculative_equals_tp1(models, prompts, tmp_path):
     assert sum(o.meta["spec_accepted_tokens"] for o in got[0][0]) > 0  # n-gram drafts got accepted
     standalone = got[2][0]
     assert all(o.meta["spec_accepted_tokens"] == o.meta["spec_draft_tokens"] for o in standalone)
+    assert all(o.meta["spec_accepted_tokens"] > 0 for o in got[3][0])  # tree paths accepted (and moved)
 
 
 # ---- in-process: sharding math, loaded shards, step packing, config --------------------------------
@@ -272,6 +276,35 @@ def test_step_input_unpacks_to_the_same_tensors():
         assert torch.equal(getattr(copy.attention, field), getattr(step.attention, field)), field
     for field in ("page_size", "max_query_len", "max_seq_len"):
         assert getattr(copy.attention, field) == getattr(step.attention, field), field
+    for req in reqs:
+        kv.free(req)
+
+
+def test_a_tree_step_unpacks_to_the_same_mask():
+    kv = KVManager(num_pages=40, page_size=4, enable_prefix_cache=False)
+    reqs = [
+        Request(f"r{i}", [3, 4, 5, 3, 4, 6, 3, 4, 7, 3, 4][: 5 + i * 3], GREEDY, seed=0) for i in range(3)
+    ]
+    items = []
+    for i, req in enumerate(reqs):
+        assert kv.reserve(req, req.prompt_len + 8)
+        if i == 1:  # a prefill chunk beside two tree verifies
+            items.append(ScheduledItem.of(req, req.prompt_len))
+            continue
+        req.num_computed = req.prompt_len - 1
+        req.draft_tree = NgramDrafter(1, 2).propose_tree(req.token_ids, 3, 2, 5)
+        req.draft = list(req.draft_tree.tokens)
+        items.append(ScheduledItem.of(req, 1 + len(req.draft)))
+    step = build_step_input(items, 4, torch.device("cpu"))
+    assert step.attention.custom_mask is not None and step.mask_entries > 0
+    copy = unpack_step_input(step.layout(), step.packed.clone())
+    assert torch.equal(copy.attention.custom_mask, step.attention.custom_mask)
+    assert torch.equal(copy.positions, step.positions)
+    # Tree tokens sit at root + depth; the prefill chunk stays causal.
+    depths = reqs[0].draft_tree.depths.tolist()
+    assert step.positions[: len(depths)].tolist() == [reqs[0].num_computed + d for d in depths]
+    q = step.attention.max_query_len
+    assert torch.equal(step.attention.custom_mask[1], torch.ones(q, q, dtype=torch.bool).tril())
     for req in reqs:
         kv.free(req)
 

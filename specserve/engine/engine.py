@@ -44,8 +44,11 @@ from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.standalone import StandaloneDrafter
+from specserve.spec.tree_verify import verify_trees
 from specserve.spec.verify import verify_chains
 from specserve.types import RequestOutput, SamplingParams
+from specserve_kernels import check_indices
+from specserve_kernels.kv_move import check_moves
 
 CPU_DEFAULT_TOKENS = 65536  # the CPU pool is allocated lazily, so a generous default costs little
 
@@ -83,6 +86,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = attention_backend(config)
         self.drafter = self._make_drafter(draft_weights, num_pages)
+        # The speculation shape steps run with; starts as configured, may change between steps.
+        self.spec_settings = _configured_settings(config)
         capture = self.drafter.capture if self.drafter is not None else None
         graphs = make_graphs(
             config, self.model, self.backend, self.kv_cache, self.max_model_len, capture or ()
@@ -150,10 +155,7 @@ class Engine:
         self._end_step([])
 
     def speculative_settings(self) -> SpecSettings:
-        spec = self.config.speculative
-        if spec is None:
-            return SpecSettings()
-        return SpecSettings(spec.num_steps, spec.topk, spec.num_draft_tokens or spec.num_steps)
+        return self.spec_settings
 
     def load(self) -> dict[str, float]:
         """Cheap load figures for health checks and autoscaling: request counts and KV usage."""
@@ -199,12 +201,14 @@ class Engine:
         inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket)
         capture = self.drafter.capture if self.drafter is not None else None
         hidden, aux, logits = self.runner.execute(inp, capture or ())
-        emitted = self._verify(items, inp, logits)
+        emitted, drawn_at = self._verify(items, inp, logits)
+        self._compact_accepted_paths(items, drawn_at)
         stats.lap("target")
         if capture is not None:
-            self.drafter.after_target(_target_feeds(items, emitted), hidden if aux is None else aux)
+            feeds = _target_feeds(items, emitted, drawn_at)
+            self.drafter.after_target(feeds, hidden if aux is None else aux)
             stats.lap("draft")
-        records = step_logprobs(items, inp, logits, emitted)
+        records = step_logprobs(items, inp, logits, emitted, drawn_at)
         outputs = []
         for index, item in enumerate(items):
             out = self._postprocess(item, emitted.get(index), records.get(index))
@@ -212,7 +216,7 @@ class Engine:
                 outputs.append(out)
         for req in self.scheduler.running:
             # Draft KV past what the target kept belongs to rejected (or unverified) drafts.
-            req.draft, req.draft_probs = [], None
+            req.draft, req.draft_probs, req.draft_tree = [], None, None
             req.draft_computed = min(req.draft_computed, req.num_computed)
         stats.lap("postprocess")
         return outputs
@@ -423,23 +427,29 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
 
     def _propose_drafts(self) -> None:
-        """Each decoding request gets up to num_steps draft tokens, never more than it may still emit."""
-        if self.drafter is None:
+        """Each decoding request gets up to num_steps draft tokens (or a tree that deep), never more
+        than it may still emit."""
+        shape = self.spec_settings
+        if self.drafter is None or shape.num_steps == 0:
             return
+        tree = shape.topk > 1
         reqs, budgets = [], []
         for req in self.scheduler.running:
-            budget = min(self.config.speculative.num_steps, self._draft_room(req)) if req.decoding else 0
+            budget = min(shape.num_steps, self._draft_room(req)) if req.decoding else 0
+            slots = self.drafter.tree_slots(budget, shape.topk, shape.num_draft_tokens) if tree else budget
             # A model drafter writes KV for its drafts: their pages must be held before it runs.
             if (
                 budget > 0
                 and self.drafter.needs_pages
-                and not self.kv.reserve(req, len(req.token_ids) + budget)
+                and not self.kv.reserve(req, len(req.token_ids) + slots)
             ):
                 budget = 0
             if budget > 0:
                 reqs.append(req)
                 budgets.append(budget)
-        if reqs:
+        if reqs and tree:
+            self.drafter.draft_tree(reqs, budgets, shape.topk, shape.num_draft_tokens)
+        elif reqs:
             self.drafter.draft(reqs, budgets)
 
     def _draft_room(self, req: Request) -> int:
@@ -448,10 +458,13 @@ class Engine:
 
     def _verify(
         self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor
-    ) -> dict[int, list[int]]:
-        """Tokens each sampling item emits: accepted drafts plus one sampled (or corrected) token."""
+    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """Tokens each sampling item emits: accepted drafts plus one sampled (or corrected) token;
+        and for items that verified a tree, the rows of its draft those tokens were drawn at."""
         if not inp.sample_items:
-            return {}
+            return {}, {}
+        if self.spec_settings.topk > 1:
+            return self._verify_trees(items, inp, logits)
         rows: list[SamplingRow] = []
         owners: list[Request] = []
         for index in inp.sample_items:
@@ -466,7 +479,56 @@ class Engine:
             self._banned([row.counter for row in rows], owners),
             self._draft_probs(items, inp, logits),
         )
-        return dict(zip(inp.sample_items, chains, strict=True))
+        return dict(zip(inp.sample_items, chains, strict=True)), {}
+
+    def _verify_trees(
+        self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor
+    ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """`_verify` for tree drafts (`specserve/spec/tree_verify.py`): each row is scored at the
+        output index of its depth."""
+        rows: list[SamplingRow] = []
+        owners: list[Request] = []
+        trees = []
+        for index in inp.sample_items:
+            item = items[index]
+            req, tree = item.request, item.request.draft_tree
+            tree = tree.truncated(len(item.draft)) if item.draft and tree is not None else None
+            trees.append(tree)
+            depths = tree.depths.tolist() if tree is not None else [0]
+            rows += [req.sampling_row(req.num_output + d) for d in depths]
+            owners += [req] * len(depths)
+        outcomes = verify_trees(
+            logits[inp.sample_logit_rows],
+            rows,
+            trees,
+            self._banned([row.counter for row in rows], owners),
+            check_bounds=check_indices(),
+        )
+        emitted = {index: o.tokens for index, o in zip(inp.sample_items, outcomes, strict=True)}
+        drawn_at = {index: o.rows for index, o in zip(inp.sample_items, outcomes, strict=True)}
+        return emitted, drawn_at
+
+    def _compact_accepted_paths(self, items: list[ScheduledItem], drawn_at: dict[int, list[int]]) -> None:
+        """Invariant 6: move the KV of each accepted tree path (written at its nodes' rows) to the
+        slots right after its root, in order, so the next step reads nothing of rejected branches.
+        A model drafter's own KV needs no move: its extend rewrites the accepted positions."""
+        src: list[int] = []
+        dst: list[int] = []
+        segments = [0]
+        page_size = self.kv.page_size
+        for index, rows in drawn_at.items():
+            item = items[index]
+            pages, start = item.request.pages, item.start + item.num_known - 1  # the root's position
+            for k, row in enumerate(rows[1:], start=1):
+                if row != k:
+                    for context, out in ((start + row, src), (start + k, dst)):
+                        out.append(pages[context // page_size] * page_size + context % page_size)
+            if len(src) > segments[-1]:
+                segments.append(len(src))
+        if not src:
+            return
+        check_moves(src, dst, segments, self.kv_cache.k.shape[1])
+        self.runner.move_kv(src, dst, segments)
 
     @staticmethod
     def _draft_probs(items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
@@ -507,8 +569,9 @@ class Engine:
         done = self._record_inputs(item, records)
         if done is not None:
             return done
-        if tokens and self.drafter is not None and item.num_known == 1 and req.num_output > 0:
-            self._count_verify(req, len(item.draft), len(tokens) - 1)  # a decode's verify
+        speculating = self.drafter is not None and self.spec_settings.num_steps > 0
+        if tokens and speculating and item.num_known == 1 and req.num_output > 0:
+            self._count_verify(req, len(item.draft), len(tokens) - 1)  # a decode's verify (path length)
         reason, delta = self._append(req, tokens or [], records)
         # After the append: pages of accepted drafts are keyed by those tokens.
         self.kv.commit(req, self._cacheable(req))
@@ -646,8 +709,9 @@ def make_graphs(
         return None
     spec = config.speculative
     max_draft = spec.num_steps if spec is not None and spec.topk == 1 else 0
+    tree_len = spec.draft_tokens + 1 if spec is not None and spec.topk > 1 else 0
     max_batch = min(config.cuda_graph_max_batch, config.scheduler.max_running_requests)
-    buckets = GraphBuckets.for_engine(max_batch, max_draft)
+    buckets = GraphBuckets.for_engine(max_batch, max_draft, tree_len)
     return CudaGraphs(model, backend, kv_cache, buckets, max_model_len, capture)
 
 
@@ -679,14 +743,20 @@ def _kv_arch(weights: DraftHead | LoadedModel | None) -> ModelArch | None:
     return weights.arch if weights is not None else None
 
 
-def _target_feeds(items: list[ScheduledItem], emitted: dict[int, list[int]]) -> list[TargetFeed]:
+def _target_feeds(
+    items: list[ScheduledItem], emitted: dict[int, list[int]], drawn_at: dict[int, list[int]]
+) -> list[TargetFeed]:
     """Per item, the positions whose target features this step produced and whose next token is now
-    known (verified or prompt tokens), with those next tokens: what a hidden-state drafter extends."""
+    known (verified or prompt tokens), with those next tokens: what a hidden-state drafter extends.
+    After a tree verify those positions' features are at the accepted path's rows."""
     feeds, offset = [], 0
     for index, item in enumerate(items):
         req, new = item.request, emitted.get(index, [])
         tokens = req.token_ids[item.start + 1 : item.start + item.num_known + 1] + new
-        rows = range(offset, offset + len(tokens))
+        rows: range | list[int] = range(offset, offset + len(tokens))
+        if index in drawn_at:  # known tokens first, then the rows the emitted tokens were drawn at
+            last = offset + item.num_known - 1
+            rows = [*range(offset, last), *(last + r for r in drawn_at[index])]
         feeds.append(TargetFeed(req, item.start, tokens, rows, bool(new), req.num_output + len(new)))
         offset += item.num_tokens
     return feeds
@@ -697,3 +767,10 @@ def _stop_ids(req: Request) -> frozenset[int]:
     if not req.params.ignore_eos:
         ids |= req.eos_token_ids
     return frozenset(ids)
+
+
+def _configured_settings(config: EngineConfig) -> SpecSettings:
+    spec = config.speculative
+    if spec is None:
+        return SpecSettings()
+    return SpecSettings(spec.num_steps, spec.topk, spec.draft_tokens)

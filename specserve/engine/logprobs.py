@@ -70,9 +70,15 @@ class StepLogprobs:
 
 
 def step_logprobs(
-    items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor, emitted: dict[int, list[int]]
+    items: list[ScheduledItem],
+    inp: StepInput,
+    logits: torch.Tensor,
+    emitted: dict[int, list[int]],
+    drawn_at: dict[int, list[int]] | None = None,
 ) -> dict[int, StepLogprobs]:
-    """Records per scheduled item index, for every row this step's requests asked logprobs of."""
+    """Records per scheduled item index, for every row this step's requests asked logprobs of.
+    Emitted token i was drawn at the item's sample row i, or, after a tree verify, at sample row
+    `drawn_at[index][i]` (the accepted path's rows)."""
     rows: list[LogprobRow] = []
     targets: list[torch.Tensor] = []
     owners: list[tuple[int, bool]] = []  # (item index, is the sampled token)
@@ -85,11 +91,10 @@ def step_logprobs(
     for index, sample_rows in zip(inp.sample_items, inp.sample_rows, strict=True):
         params = items[index].request.params
         if params.return_logprob:
-            tokens = emitted[index]  # emitted token i was drawn at the item's sample row i
-            rows.extend(
-                LogprobRow(r, params.top_logprobs_num, params.token_ids_logprob)
-                for r in sample_rows[: len(tokens)]
-            )
+            tokens = emitted[index]
+            at = (drawn_at or {}).get(index)
+            drawn = [sample_rows[r] for r in at] if at is not None else sample_rows[: len(tokens)]
+            rows.extend(LogprobRow(r, params.top_logprobs_num, params.token_ids_logprob) for r in drawn)
             targets.append(torch.tensor(tokens, dtype=torch.long))
             owners.extend((index, True) for _ in tokens)
     if not rows:

@@ -91,6 +91,7 @@ class Request:
     output_logprobs: list[LogprobRecord] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)  # proposed tokens awaiting this step's verify
     draft_probs: Any = None  # [len(draft), V] tensor the draft was sampled from (None: deterministic)
+    draft_tree: Any = None  # a `DraftTree` whose nodes are `draft` (tree drafting), None for a chain
     draft_computed: int = 0  # leading positions whose entries in a model drafter's own KV are valid
     draft_state: Any = None  # a drafter's per-request state (e.g. a head's hidden tails), reset with the KV
     spec_verify_ct: int = 0

@@ -14,6 +14,12 @@ A decode or verify step (every logit row is a token row, in order) that fits a C
 padded to it here: pad requests have no tokens (their query start repeats, their seq len is 0), and
 pad tokens past the real ones belong to no request, sit at position 0 and write their K/V to the
 dummy slot 0, so no real slot or row is touched.
+
+A draft tree (`Request.draft_tree`, topk > 1) is a request's tokens given as a forest: token j's
+parent among the step's tokens (-1: the context before them). It sits at position start + depth but
+at context slot start + j, and sees its ancestors only: the step gets a custom mask, built on the
+device from the flat indices of its ancestor entries (a few hundred ints a tree), causal for every
+other request. A step with trees is padded only to a graph bucket that has a tree mask.
 """
 
 from __future__ import annotations
@@ -54,12 +60,12 @@ class StepInput:
     # Padded to a CUDA-graph bucket (batch_size, max_query_len): the runner replays that graph, and
     # the first `logit_rows.shape[0]` rows of its outputs are this step's.
     graphed: bool = False
+    # Ancestor entries of the tree mask packed after the sample rows; -1: no custom mask.
+    mask_entries: int = -1
 
     def layout(self) -> list[int]:
         """The sizes (STEP_LAYOUT_LEN ints) that rebuild this step's device tensors from `packed`."""
         a = self.attention
-        if a.custom_mask is not None:
-            raise NotImplementedError("a step with a custom attention mask cannot be packed yet")
         return [
             self.input_ids.shape[0],
             self.logit_rows.shape[0],
@@ -70,10 +76,11 @@ class StepInput:
             a.max_query_len,
             a.max_seq_len,
             int(self.graphed),
+            self.mask_entries,
         ]
 
 
-STEP_LAYOUT_LEN = 9
+STEP_LAYOUT_LEN = 10
 
 
 def graph_head_size(tokens: int, batch: int) -> int:
@@ -83,9 +90,11 @@ def graph_head_size(tokens: int, batch: int) -> int:
 
 def _packed_shapes(layout: Sequence[int]) -> list[tuple[int, ...]]:
     """Shapes of the step's arrays in packing order: ids, positions, slots, query starts, seq lens,
-    page table (`_batch_tensors`), then logit rows and sample rows (the `extra` of `build_step_input`)."""
+    page table (`_batch_tensors`), then logit rows and sample rows (the `extra` of `build_step_input`),
+    then, with a tree mask, its per-request tree flags and ancestor entries."""
     tokens, logit_rows, sample_rows, batch, max_pages = layout[:5]
-    return [*_batch_shapes(tokens, batch, max_pages), (logit_rows,), (sample_rows,)]
+    mask = [(batch,), (layout[9],)] if layout[9] >= 0 else []
+    return [*_batch_shapes(tokens, batch, max_pages), (logit_rows,), (sample_rows,), *mask]
 
 
 def _batch_shapes(tokens: int, batch: int, max_pages: int) -> list[tuple[int, ...]]:
@@ -99,9 +108,11 @@ def packed_size(layout: Sequence[int]) -> int:
 def unpack_step_input(layout: Sequence[int], packed: torch.Tensor) -> StepInput:
     """The device tensors of a step from its packed buffer (a TP follower's copy of rank 0's step).
     The host-side bookkeeping (sample items, logprob rows) stays empty: only rank 0 reads it."""
-    ids, pos, *layout_tensors, rows, sample_rows = _split(packed, _packed_shapes(layout))
-    attention = _attention_batch(layout_tensors, *layout[5:8])
-    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed, bool(layout[8]))
+    views = _split(packed, _packed_shapes(layout))
+    ids, pos, *layout_tensors, rows, sample_rows = views[:8]
+    mask = tree_mask(*views[8:], layout[6]) if layout[9] >= 0 else None
+    attention = _attention_batch(layout_tensors, *layout[5:8], mask)
+    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed, bool(layout[8]), layout[9])
 
 
 def build_step_input(
@@ -111,8 +122,9 @@ def build_step_input(
     graph_bucket: Callable[[int, int], tuple[int, int] | None] | None = None,
     future: Mapping[str, int] | None = None,
 ) -> StepInput:
-    """`graph_bucket(batch, max_query_len)`: the CUDA-graph bucket (batch, query len) a decode or
-    verify step of that shape is padded to, or None (eager). `future`: for requests whose last
+    """`graph_bucket(batch, max_query_len[, tree=True])`: the CUDA-graph bucket (batch, query len) a
+    decode or verify step of that shape (with a draft tree: a bucket with a tree mask) is padded to,
+    or None (eager). `future`: for requests whose last
     token an in-flight step is still sampling (FUTURE_TOKEN), that token's row among the in-flight
     step's samples; its id goes in as -(row + 1), for the runner to resolve on the device."""
     ids: list[int] = []
@@ -120,8 +132,10 @@ def build_step_input(
     sample_items: list[int] = []
     sample_rows: list[range] = []
     input_lp: list[InputLogprobRows] = []
+    forest: list[np.ndarray | None] = []
     for index, item in enumerate(items):
         req, offset = item.request, len(ids)
+        forest.append(_item_forest(item))
         ids.extend(req.token_ids[item.start : item.start + item.num_known])
         if ids[-1] == FUTURE_TOKEN:
             ids[-1] = -1 - future[req.request_id]
@@ -140,9 +154,15 @@ def build_step_input(
     flat_sample_rows = [r for rows in sample_rows for r in rows]
     query_lens = [item.num_tokens for item in items]
     pad = None
+    has_tree = any(f is not None for f in forest)
     if graph_bucket is not None and logit_rows == list(range(len(ids))):
-        pad = graph_bucket(len(items), max(query_lens))
-    input_ids, pos, attention, (rows, sample_rows_t), packed = _batch_tensors(
+        # A tree needs a bucket with a mask; other steps take any (a masked one fills in causal).
+        pad = (
+            graph_bucket(len(items), max(query_lens), tree=True)
+            if has_tree
+            else graph_bucket(len(items), max(query_lens))
+        )
+    input_ids, pos, attention, (rows, sample_rows_t), packed, mask_entries = _batch_tensors(
         [item.request for item in items],
         [item.start for item in items],
         query_lens,
@@ -151,6 +171,7 @@ def build_step_input(
         page_size,
         device,
         pad,
+        forest if has_tree else None,
     )
     return StepInput(
         input_ids=input_ids,
@@ -163,7 +184,18 @@ def build_step_input(
         input_logprobs=tuple(input_lp),
         packed=packed,
         graphed=pad is not None,
+        mask_entries=mask_entries,
     )
+
+
+def _item_forest(item: ScheduledItem) -> np.ndarray | None:
+    """An item verifying a draft tree as a forest over its tokens (None: a causal chain): the known
+    tokens in a chain, then the first len(item.draft) tree nodes under the last of them."""
+    tree = item.request.draft_tree
+    if not item.draft or tree is None:
+        return None
+    known = item.num_known
+    return np.concatenate([np.arange(-1, known - 1), known - 1 + tree.parents[: len(item.draft)]])
 
 
 def resolve_future_ids(ids: torch.Tensor, future: torch.Tensor) -> None:
@@ -194,10 +226,13 @@ def _batch_tensors(
     page_size: int,
     device: torch.device,
     pad: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[torch.Tensor], torch.Tensor]:
+    forest: list[np.ndarray | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[torch.Tensor], torch.Tensor, int]:
     """Ids, positions and the attention layout of requests computing `query_lens` tokens from
     `starts` on, copied to the device in one transfer together with the caller's `extra` int arrays;
-    last, the flat buffer they all view. `pad` (batch, query len): pad to that CUDA-graph bucket."""
+    then the flat buffer they all view, and the tree mask's entry count (-1: none). `pad` (batch,
+    query len): pad to that CUDA-graph bucket. `forest[b]`: request b's tokens as a forest (token
+    j's parent among them, -1 for the context): positions by depth, and a tree mask."""
     # Plain lists: a decode step has one token per request, where per-request numpy calls cost more
     # than the arithmetic.
     positions: list[int] = []
@@ -219,10 +254,59 @@ def _batch_tensors(
         query_start = _pad(query_start, batch + 1, query_start[-1])
         seq_lens = _pad(np.asarray(seq_lens, dtype=np.int64), batch, 0)
         table = np.concatenate([table, np.zeros((batch - len(requests), table.shape[1]), np.int64)])
-    views, packed = _to_device([*token_arrays, query_start, seq_lens, table, *extra], device)
+    mask_arrays: list[np.ndarray] = []
+    if forest is not None and any(f is not None for f in forest):
+        padded = [*forest, *[None] * (len(seq_lens) - len(forest))]  # pad requests: causal
+        mask_arrays = _forest_layout(padded, starts, query_start, max_query_len, token_arrays[1])
+    arrays = [*token_arrays, query_start, seq_lens, table, *extra, *mask_arrays]
+    views, packed = _to_device(arrays, device)
     input_ids, pos, slots_t, *layout_tensors = views[:6]
-    attention = _attention_batch([slots_t, *layout_tensors], page_size, max_query_len, max(seq_lens))
-    return input_ids, pos, attention, views[6:], packed
+    mask, mask_entries = None, -1
+    if mask_arrays:
+        mask, mask_entries = tree_mask(*views[-2:], max_query_len), mask_arrays[1].shape[0]
+    attention = _attention_batch([slots_t, *layout_tensors], page_size, max_query_len, max(seq_lens), mask)
+    return input_ids, pos, attention, views[6 : 6 + len(extra)], packed, mask_entries
+
+
+def _forest_layout(
+    forest: list[np.ndarray | None],
+    starts: list[int],
+    query_start: np.ndarray,
+    max_query_len: int,
+    positions: np.ndarray,
+) -> list[np.ndarray]:
+    """Set the positions of forest requests' tokens (in place: start + depth); return the tree mask's
+    packed arrays: per request whether it is a forest, and the flat [B, Q, Q] index of every
+    (token, ancestor-or-self) pair of one."""
+    flags = np.zeros(len(forest), dtype=np.int64)
+    entries = []
+    for b, parents in enumerate(forest):
+        if parents is None:
+            continue
+        n = len(parents)
+        flags[b] = 1
+        seen = np.eye(n, dtype=bool)
+        depth = np.zeros(n, dtype=np.int64)
+        rows, parents = np.arange(n), np.asarray(parents, dtype=np.int64)
+        assert n == query_start[b + 1] - query_start[b] and (parents < rows).all(), "a parent after its child"
+        up = parents
+        while (live := up >= 0).any():  # every token one ancestor further up per round
+            seen[rows[live], up[live]] = True
+            depth += live
+            up = np.where(live, parents[np.maximum(up, 0)], -1)
+        positions[query_start[b] : query_start[b + 1]] = starts[b] + depth
+        i, j = np.nonzero(seen)
+        entries.append((b * max_query_len + i) * max_query_len + j)
+    return [flags, np.concatenate(entries)]
+
+
+def tree_mask(flags: torch.Tensor, entries: torch.Tensor, max_query_len: int) -> torch.Tensor:
+    """The [B, Q, Q] custom mask on the device: causal for requests with flag 0, and for a forest
+    request exactly its (token, ancestor-or-self) `entries` (flat indices)."""
+    rows = torch.arange(max_query_len, device=flags.device)
+    causal = rows[:, None] >= rows[None, :]
+    mask = (causal[None] & (flags == 0)[:, None, None]).contiguous()
+    return mask.view(-1).index_fill_(0, entries, True).view(mask.shape)
 
 
 def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -232,7 +316,11 @@ def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
 
 
 def _attention_batch(
-    tensors: list[torch.Tensor], page_size: int, max_query_len: int, max_seq_len: int
+    tensors: list[torch.Tensor],
+    page_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+    custom_mask: torch.Tensor | None = None,
 ) -> AttentionBatch:
     """From the device views (slots, query starts, seq lens, page table) in packing order."""
     slot_mapping, query_start, seq_lens, page_table = tensors
@@ -244,6 +332,7 @@ def _attention_batch(
         page_size=page_size,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        custom_mask=custom_mask,
     )
 
 
@@ -287,19 +376,27 @@ class DraftInput:
 
 
 def build_draft_input(
-    feeds: list[tuple[Request, int, list[int]]], page_size: int, device: torch.device
+    feeds: list[tuple[Request, int, list[int]]],
+    page_size: int,
+    device: torch.device,
+    forest: list[np.ndarray | None] | None = None,
+    rows: Sequence[int] | None = None,
 ) -> DraftInput:
     """Inputs for a drafter's own forward over (request, start position, tokens) — catch-up or one
-    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
+    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages.
+    `forest`: the feeds' tokens as forests (a draft tree's nodes, see `_batch_tensors`); `rows`: the
+    token rows whose outputs the caller reads (default: each feed's last)."""
     ids = [t for _, _, tokens in feeds for t in tokens]
     query_lens = [len(tokens) for _, _, tokens in feeds]
-    input_ids, pos, attention, (last,), _ = _batch_tensors(
+    picked = np.cumsum(query_lens) - 1 if rows is None else np.asarray(rows, dtype=np.int64)
+    input_ids, pos, attention, (last,), _, _ = _batch_tensors(
         [req for req, _, _ in feeds],
         [start for _, start, _ in feeds],
         query_lens,
         ids,
-        [np.cumsum(query_lens) - 1],
+        [picked],
         page_size,
         device,
+        forest=forest,
     )
     return DraftInput(input_ids, pos, attention, last)

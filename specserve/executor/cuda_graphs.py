@@ -7,6 +7,9 @@ captured once over static input buffers; a step that fits a bucket arrives padde
 token and request arrays, and the page table into the top-left corner of a table as wide as the
 context), and the graph is replayed. Decode steps use query len 1, verify steps num_steps + 1; a
 request with fewer drafts simply has fewer tokens (the kernels read every length on the device).
+Draft-tree verify steps use query len num_draft_tokens + 1 in buckets with a static tree mask too
+(`masked_lens`, only up to `max_masked_batch`: every token row's logits are kept); a step without a
+tree that lands there gets the causal mask.
 
 Buckets are captured largest first into one memory pool. The attention's key-split count is fixed
 at capture for the longest context, so one graph serves every context length. Without CUDA (tests on
@@ -26,6 +29,7 @@ from specserve.model.llama import LlamaForCausalLM
 
 # (final hidden [T, H], captured residual streams or None, fp32 logits [T, V]) of every token row
 Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+MAX_MASKED_ROWS = 1040  # token rows of the largest tree bucket (16 requests x 64 draft tokens + root)
 
 
 @dataclass(frozen=True)
@@ -35,26 +39,50 @@ class GraphBuckets:
 
     batch_sizes: tuple[int, ...]  # ascending
     query_lens: tuple[int, ...]  # ascending
+    masked_lens: tuple[int, ...] = ()  # query lens whose buckets carry a tree mask
+    max_masked_batch: int = 0
 
     @classmethod
-    def for_engine(cls, max_batch: int, max_draft: int) -> GraphBuckets:
+    def for_engine(cls, max_batch: int, max_draft: int, tree_len: int = 0) -> GraphBuckets:
         """Batch sizes 1, 2, 4, 8, then every 8 up to `max_batch`; query len 1 (decode) and, with
-        speculation, `max_draft` + 1 (verify)."""
+        speculation, `max_draft` + 1 (chain verify) or `tree_len` (tree verify, masked, at most
+        MAX_MASKED_ROWS token rows a bucket)."""
         sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 8)) + [max_batch]
         lens = (1, max_draft + 1) if max_draft > 0 else (1,)
+        if tree_len > 1:
+            most = max(1, min(max_batch, MAX_MASKED_ROWS // tree_len))
+            return cls(tuple(sorted(set(sizes))), tuple(sorted({*lens, tree_len})), (tree_len,), most)
         return cls(tuple(sorted(set(sizes))), lens)
 
-    def pick(self, batch: int, max_query_len: int) -> tuple[int, int] | None:
+    def pick(self, batch: int, max_query_len: int, tree: bool = False) -> tuple[int, int] | None:
+        """The bucket of a step (`tree`: it carries a tree mask, so only a masked bucket serves)."""
         b = next((s for s in self.batch_sizes if s >= batch), None)
-        q = next((s for s in self.query_lens if s >= max_query_len), None)
-        return None if b is None or q is None else (b, q)
+        lens = self.masked_lens if tree else self.query_lens
+        q = next((s for s in lens if s >= max_query_len), None)
+        if b is None or q is None or (q in self.masked_lens and b > self.max_masked_batch):
+            return None
+        return b, q
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [
+            (b, q)
+            for q in self.query_lens
+            for b in self.batch_sizes
+            if q not in self.masked_lens or b <= self.max_masked_batch
+        ]
 
 
 class _Graph:
     """One bucket: its static inputs, its outputs and (on CUDA) the captured graph."""
 
     def __init__(
-        self, batch: int, query_len: int, page_table: torch.Tensor, page_size: int, max_seq_len: int
+        self,
+        batch: int,
+        query_len: int,
+        page_table: torch.Tensor,
+        page_size: int,
+        max_seq_len: int,
+        masked: bool = False,
     ) -> None:
         tokens = batch * query_len
         self.head = torch.zeros(graph_head_size(tokens, batch), dtype=torch.int64, device=page_table.device)
@@ -63,8 +91,13 @@ class _Graph:
         query_start.copy_(torch.arange(batch + 1) * query_len)
         seq_lens.fill_(query_len)
         self.ids, self.positions = ids, positions
+        self.mask = self.causal = None
+        if masked:
+            rows = torch.arange(query_len, device=page_table.device)
+            self.causal = (rows[:, None] >= rows[None, :]).expand(batch, -1, -1).contiguous()
+            self.mask = self.causal.clone()
         self.attention = AttentionBatch(
-            query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len
+            query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len, self.mask
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Outputs | None = None
@@ -90,9 +123,8 @@ class CudaGraphs:
             max(buckets.batch_sizes), -(-max_seq_len // page_size), dtype=torch.int64, device=device
         )
         self.graphs = {
-            (b, q): _Graph(b, q, self.page_table, page_size, max_seq_len)
-            for q in buckets.query_lens
-            for b in buckets.batch_sizes
+            (b, q): _Graph(b, q, self.page_table, page_size, max_seq_len, q in buckets.masked_lens)
+            for b, q in buckets.shapes()
         }
         self.captured = device.type == "cuda"
         if self.captured:
@@ -109,6 +141,8 @@ class CudaGraphs:
         graph = self.graphs[(a.batch_size, a.max_query_len)]
         graph.head.copy_(step.packed[: graph.head.numel()])
         self.page_table[: a.batch_size, : a.page_table.shape[1]].copy_(a.page_table)
+        if graph.mask is not None:
+            graph.mask.copy_(a.custom_mask if a.custom_mask is not None else graph.causal)
         if future is not None:
             resolve_future_ids(graph.ids, future)
         if self.captured:

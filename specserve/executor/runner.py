@@ -6,6 +6,8 @@ to the device); every rank then runs the forward (row-parallel all-reduces insid
 (one all-gather). A header with command SHUTDOWN ends the followers' loop; KEEPALIVE, sent while rank 0
 is idle, only restarts their wait (which is a collective, bounded by the group's timeout). The EAGLE-3 capture
 list is not sent: it changes which residual streams rank 0 keeps, never which collectives run.
+MOVE_KV [command, moves, segments + 1, ...] and then the moves' int64 buffer (sources, destinations,
+segment bounds) compacts accepted tree paths in every rank's KV cache (`specserve_kernels.kv_move`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from specserve.engine.step_input import (
 from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.parallel import TPInfo
+from specserve_kernels import use_triton
+from specserve_kernels.kv_move import move_kv, move_kv_ref
 
-SHUTDOWN, STEP, KEEPALIVE = 0, 1, 2
+SHUTDOWN, STEP, KEEPALIVE, MOVE_KV = 0, 1, 2, 3
 HEADER_LEN = 1 + STEP_LAYOUT_LEN
 
 StepResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
@@ -63,6 +67,17 @@ class ModelRunner:
         hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture)
         return hidden, aux, self.model.compute_logits(hidden[step.logit_rows])
 
+    def move_kv(self, src: list[int], dst: list[int], segments: list[int]) -> None:
+        """Copy KV slots src[m] -> dst[m] in every layer, in order within each segment (moves
+        already checked by `specserve_kernels.kv_move.check_moves`)."""
+        packed = torch.tensor([*src, *dst, *segments], dtype=torch.int64)
+        self._apply_moves(packed.to(self.kv_cache.k.device, non_blocking=True), len(src))
+
+    def _apply_moves(self, packed: torch.Tensor, moves: int) -> None:
+        src, dst, segments = packed[:moves], packed[moves : 2 * moves], packed[2 * moves :]
+        move = move_kv if use_triton(packed.device) else move_kv_ref
+        move(self.kv_cache.k, self.kv_cache.v, src, dst, segments, check_bounds=False)
+
     def shutdown(self) -> None:
         """Release the followers (none at size 1)."""
 
@@ -97,6 +112,13 @@ class DriverRunner(ModelRunner):
         self._send_header(STEP, step.layout())
         dist.broadcast(step.packed, src=self.src, group=self.tp.group)
         return super().execute(step, capture)
+
+    def _apply_moves(self, packed: torch.Tensor, moves: int) -> None:
+        if self.closed:
+            raise RuntimeError("the TP group was shut down")
+        self._send_header(MOVE_KV, [moves, packed.shape[0] - 2 * moves] + [0] * (STEP_LAYOUT_LEN - 2))
+        dist.broadcast(packed, src=self.src, group=self.tp.group)
+        super()._apply_moves(packed, moves)
 
     def shutdown(self) -> None:
         if not self.closed:
@@ -143,6 +165,12 @@ def follower_loop(
         if command == SHUTDOWN:
             return steps
         if command == KEEPALIVE:
+            continue
+        if command == MOVE_KV:
+            moves, bounds = layout[:2]
+            packed = torch.empty(2 * moves + bounds, dtype=torch.int64, device=device)
+            dist.broadcast(packed, src=src, group=tp.group)
+            runner._apply_moves(packed, moves)
             continue
         packed = torch.empty(packed_size(layout), dtype=torch.int64, device=device)
         dist.broadcast(packed, src=src, group=tp.group)

@@ -96,7 +96,8 @@ class ServeConfig(BaseModel):
     speculative: dict[str, Any] | str | None = Field(
         default_factory=lambda: dict(DEFAULT_SPECULATIVE),
         description="Speculative decoding: a method name, a mapping of SpeculativeConfig fields "
-        "(method, num_steps, draft_model, ...), or null for plain decoding.",
+        "(method, num_steps, topk, num_draft_tokens, draft_model, ...; topk > 1 drafts trees), "
+        "or null for plain decoding.",
     )
     tp_size: int = Field(
         1, ge=1, le=64, description="Tensor-parallel ranks per engine replica (GPUs, or CPU processes)."

@@ -1,7 +1,9 @@
 """What the engine asks of a drafter, and the draft-token choice every model drafter shares.
 
 A drafter fills `Request.draft` (and `draft_probs`, the distribution each sampled draft was drawn
-from: verify needs q for its acceptance test) for the requests the engine names. Model drafters
+from: verify needs q for its acceptance test) for the requests the engine names; with topk > 1 it
+fills `draft` with the nodes of a `DraftTree` instead and sets `draft_tree` (`specserve/spec/tree.py`).
+Model drafters
 write KV of their own on the request's pages, so the engine reserves those pages first
 (`needs_pages`). Drafters that read the target's hidden states name them in `capture` and get them
 after every target forward through `after_target`.
@@ -27,12 +29,14 @@ class TargetFeed:
     """What one scheduled request's target forward gives a hidden-state drafter: positions
     `start ...` have features at `rows` of the step's feature tensor, and `tokens` are the tokens
     that follow them (each position's next token). `seed`: the request will decode next, so the
-    last pair's prediction is its first draft, which proposes output token `next_output`."""
+    last pair's prediction is its first draft, which proposes output token `next_output`. After a
+    tree verify the rows are the accepted path's (root, then each accepted node): its features
+    compacted to consecutive positions."""
 
     request: Request
     start: int
     tokens: list[int]
-    rows: range
+    rows: Sequence[int]
     seed: bool
     next_output: int
 
@@ -45,6 +49,16 @@ class Drafter:
 
     def draft(self, reqs: list[Request], budgets: list[int]) -> None:
         raise NotImplementedError
+
+    def draft_tree(self, reqs: list[Request], depths: list[int], topk: int, num_nodes: int) -> None:
+        """Give each request a tree of at most `num_nodes` nodes, `depths[i]` deep, `topk` candidates a node."""
+        raise NotImplementedError
+
+    @staticmethod
+    def tree_slots(depth: int, topk: int, num_nodes: int) -> int:
+        """KV slots past a request's tokens that drafting and verifying such a tree writes: verify's
+        one per node; a model drafter's forwards over up to topk paths of depth - 1 nodes each."""
+        return max(num_nodes, topk * (depth - 1))
 
     def after_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
         """Called after each target forward and verify, before the step's results are applied."""

@@ -15,6 +15,13 @@ step i of a draft chain started at p - i would give it.
   tokens, module s-1's outputs its hidden states) and its KV is what an extend would have written;
   after that the last module is reused one row per step, fed its own previous output.
 
+- `draft_tree` (topk > 1) grows an EAGLE-2 tree from the extend's prediction (`TreeSearch`). Step s
+  runs module min(s, k-1) over the nodes on the paths to the nodes it expands (a forest under a tree
+  mask, in the head's KV past the verified positions), each node paired with the module output the
+  chain rule above names at its parent: module m-1's while the node is no deeper than m (the module
+  is new to that path), else module m's own. Shared ancestors are recomputed, not kept per branch.
+  After verify, the extend runs over the accepted path (`TargetFeed.rows`), rewriting that KV.
+
 Every draft is therefore a pure function of the token sequence (invariant 5; the tests compare it
 with a from-scratch computation), except after a prefix-cache hit, where the MTP tails at the cached
 boundary are unknown and taken as zero: that costs acceptance, never correctness.
@@ -33,6 +40,7 @@ from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input
 from specserve.model.draft_heads import DraftHead
 from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
+from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class HeadState:
     tails: torch.Tensor  # [k, H] each module's output at `position`
     token: int | None = None  # the first draft (None when the request will not decode next)
     q: torch.Tensor | None = None  # [V] its distribution, for sampling requests
+    logits: torch.Tensor | None = None  # [V_draft] the draft logits it came from (trees start there)
 
 
 class HeadDrafter(Drafter):
@@ -93,7 +102,7 @@ class HeadDrafter(Drafter):
 
     def _store(self, feeds: list[TargetFeed], tails: torch.Tensor, seed_hidden: torch.Tensor) -> None:
         seeded = [b for b, f in enumerate(feeds) if f.seed]
-        tokens, q = [], None
+        tokens, q, logits = [], None, None
         if seeded:
             index = torch.tensor(seeded, device=self.device)
             logits = self.head.logits(0, seed_hidden.index_select(0, index))
@@ -109,6 +118,7 @@ class HeadDrafter(Drafter):
                 tails=tails[b],
                 token=tokens[j] if j is not None else None,
                 q=sampled_q,
+                logits=logits[j] if j is not None else None,
             )
             req.draft_computed = f.start + len(f.tokens)
 
@@ -158,6 +168,70 @@ class HeadDrafter(Drafter):
             req.draft.append(tokens[i])
             if req.draft_probs is not None:
                 req.draft_probs.append(q[i])
+
+    # ---- tree drafting ---------------------------------------------------------------------
+
+    def draft_tree(self, reqs: list[Request], depths: list[int], topk: int, num_nodes: int) -> None:
+        active = [(r, d) for r, d in zip(reqs, depths, strict=True) if d > 0 and _has_seed(r)]
+        if not active:
+            return
+        search = TreeSearch(
+            [r for r, _ in active],
+            [d for _, d in active],
+            topk,
+            num_nodes,
+            self.vocab,
+            self.head.to_target_ids,
+            self.head.to_target_probs,
+        )
+        states: list[HeadState] = [r.draft_state for r, _ in active]
+        search.expand(search.roots(), torch.stack([s.logits for s in states]))
+        # Module outputs by (module, bank row): rows 0..B-1 the roots (the extend's tails), then
+        # one row per node the first time it is fed.
+        most = max(d for _, d in active)
+        bank = torch.zeros(
+            self.num_modules,
+            len(active) * (1 + topk * max(most - 1, 0)),
+            states[0].tails.shape[-1],
+            dtype=self.dtype,
+            device=self.device,
+        )
+        bank[:, : len(active)] = torch.stack([s.tails for s in states], dim=1)
+        rows: dict[tuple[int, int], int] = {}
+        step = 1
+        while len(where := search.frontier(step)):
+            search.expand(where, self._tree_step(search, where, step, bank, rows))
+            step += 1
+        for (req, _), tree in zip(active, search.trees(), strict=True):
+            req.draft, req.draft_tree = list(tree.tokens) if tree else [], tree
+
+    def _tree_step(
+        self,
+        search: TreeSearch,
+        where: Expansion,
+        step: int,
+        bank: torch.Tensor,
+        rows: dict[tuple[int, int], int],
+    ) -> torch.Tensor:
+        """Draft logits at the nodes step `step` expands (their paths fed as forests)."""
+        module = self.head.module_for_step(step)
+        fed = tree_feed(search, where)
+        feeds, src_module, src_row, dst_row = [], [], [], []
+        for b, nodes in zip(fed.requests, fed.nodes, strict=True):
+            req = search.reqs[b]
+            feeds.append((req, req.draft_state.position + 1, [search.nodes[b][n].token for n in nodes]))
+            for n in nodes:
+                node = search.nodes[b][n]
+                src_module.append(module - 1 if node.depth <= module else module)
+                src_row.append(b if node.parent < 0 else rows[(b, node.parent)])
+                dst_row.append(rows.setdefault((b, n), len(search.reqs) + len(rows)))
+        inp = build_draft_input(feeds, self.page_size, self.device, fed.forest, fed.rows)
+        ctx = self.backend.prepare(inp.attention, self.kv_cache)
+        index = torch.tensor([src_module, src_row, dst_row], device=self.device)
+        hidden = bank[index[0], index[1]]
+        out, to_logits = self.head.run(module, inp.input_ids, hidden, inp.positions, ctx, from_target=False)
+        bank[module].index_copy_(0, index[2], out.to(bank.dtype))
+        return self.head.logits(module, to_logits.index_select(0, inp.last_rows))
 
     def _choose(self, logits: torch.Tensor, reqs: list[Request], counters: list[int]):
         return choose_drafts(

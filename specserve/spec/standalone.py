@@ -5,6 +5,11 @@ serve both models and the scheduler's accounting covers the drafter too. `Reques
 counts the tokens whose draft KV is valid; each drafting pass first catches up on the rest (the
 whole prompt the first time, then the last verified tokens), then samples one token per step from
 the drafter's own filtered distribution q, which verify needs for its acceptance test.
+
+A tree (topk > 1) starts from the same catch-up; each further step runs the model over the nodes on
+the paths to the nodes it expands, under a tree mask, in the KV slots past the verified tokens (it
+recomputes the shared ancestors rather than keep per-branch KV: a few rows, no bookkeeping). Only the
+verified tokens' draft KV stays valid; the next catch-up covers the accepted path.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import torch
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
-from specserve.engine.step_input import build_draft_input
+from specserve.engine.step_input import DraftInput, build_draft_input
 from specserve.model.loader import LoadedModel
 from specserve.spec.drafter import Drafter, choose_drafts
+from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
 
 class StandaloneDrafter(Drafter):
@@ -65,9 +71,37 @@ class StandaloneDrafter(Drafter):
     def _one_step(
         self, feeds: list[tuple[Request, int, list[int]]], step: int
     ) -> tuple[list[int], torch.Tensor | None]:
-        inp = build_draft_input(feeds, self.page_size, self.device)
+        reqs = [r for r, _, _ in feeds]
+        logits = self._logits(build_draft_input(feeds, self.page_size, self.device))
+        return choose_drafts(logits, reqs, [r.num_output + step for r in reqs], self.vocab)
+
+    def draft_tree(self, reqs: list[Request], depths: list[int], topk: int, num_nodes: int) -> None:
+        active = [(r, d) for r, d in zip(reqs, depths, strict=True) if d > 0]
+        if not active:
+            return
+        search = TreeSearch([r for r, _ in active], [d for _, d in active], topk, num_nodes, self.vocab)
+        feeds = [(r, r.draft_computed, r.token_ids[r.draft_computed :]) for r, _ in active]
+        search.expand(search.roots(), self._logits(build_draft_input(feeds, self.page_size, self.device)))
+        for req, _ in active:
+            req.draft_computed = len(req.token_ids)
+        step = 1
+        while len(where := search.frontier(step)):
+            search.expand(where, self._tree_logits(search, where))
+            step += 1
+        for (req, _), tree in zip(active, search.trees(), strict=True):
+            req.draft, req.draft_tree = list(tree.tokens) if tree else [], tree
+
+    def _tree_logits(self, search: TreeSearch, where: Expansion) -> torch.Tensor:
+        """Logits at the expanded nodes: each request feeds the union of their paths as a forest."""
+        fed = tree_feed(search, where)
+        feeds = []
+        for b, nodes in zip(fed.requests, fed.nodes, strict=True):
+            req = search.reqs[b]
+            feeds.append((req, len(req.token_ids), [search.nodes[b][n].token for n in nodes]))
+        return self._logits(build_draft_input(feeds, self.page_size, self.device, fed.forest, fed.rows))
+
+    def _logits(self, inp: DraftInput) -> torch.Tensor:
+        """The draft model's logits at `inp.last_rows`."""
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
         hidden = self.model(inp.input_ids, inp.positions, ctx)
-        logits = self.model.compute_logits(hidden[inp.last_rows])
-        reqs = [r for r, _, _ in feeds]
-        return choose_drafts(logits, reqs, [r.num_output + step for r in reqs], self.vocab)
+        return self.model.compute_logits(hidden[inp.last_rows])

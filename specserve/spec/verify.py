@@ -24,7 +24,7 @@ from specserve.engine.sampler import (
     sample_from_probs,
     uniform_noise,
 )
-from specserve_kernels import use_triton
+from specserve_kernels import check_indices, use_triton
 from specserve_kernels.verify_chain import verify_chain, verify_chain_ref
 
 ACCEPT_SALT = 1  # the accept test's uniforms: a stream independent of the sampling race's (and the drafts')
@@ -72,7 +72,15 @@ def verify_chains(
     chain = verify_chain if use_triton(device) else verify_chain_ref
     num_drafts = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
     tokens, accepted = chain(
-        probs, draft, starts, num_drafts, u, replacement, kernel_q, max_drafts=max(counts), check_bounds=False
+        probs,
+        draft,
+        starts,
+        num_drafts,
+        u,
+        replacement,
+        kernel_q,
+        max_drafts=max(counts),
+        check_bounds=check_indices(),
     )
     tokens, accepted = tokens.tolist(), accepted.tolist()
     return [row[: a + 1] for row, a in zip(tokens, accepted, strict=True)]
