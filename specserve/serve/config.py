@@ -121,7 +121,7 @@ class ServeConfig(BaseModel):
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV pages of shared prompt prefixes.")
     stream_messages_per_s: float | None = Field(
-        1000.0,
+        500.0,
         gt=0,
         description="Streamed outputs per second an engine replica sends, all its requests together, at "
         "most: each open stream waits for its share between two outputs, which then carry every token "
