@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # A logprob entry as the native API returns it: [logprob, token_id, text or None].
@@ -155,3 +156,29 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # With `return_logprob`: one entry per delta token, so streams carry logprobs as tokens arrive.
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the `later` one of the same request as one: the later's state, both
+        deltas in order. What a stream sends when its reader fell behind: nothing is lost."""
+        return replace(
+            later,
+            delta_text=self.delta_text + later.delta_text,
+            delta_token_ids=self.delta_token_ids + later.delta_token_ids,
+            delta_logprobs=self.delta_logprobs + later.delta_logprobs,
+        )
+
+
+def joined(items: Iterable[Any]) -> Iterator[Any]:
+    """A stream's pending items with each run of consecutive `RequestOutput`s joined into one
+    (`RequestOutput.then`); anything else (an error) passes through in its place."""
+    run: RequestOutput | None = None
+    for item in items:
+        if isinstance(item, RequestOutput):
+            run = item if run is None else run.then(item)
+            continue
+        if run is not None:
+            yield run
+            run = None
+        yield item
+    if run is not None:
+        yield run

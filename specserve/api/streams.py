@@ -87,7 +87,8 @@ async def _close(gen: AsyncIterator[RequestOutput]) -> None:
 
 
 async def merge(opened: Sequence[Opened]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index, output) of every stream as outputs arrive, each stream's first output first."""
+    """(index, output) of every stream as outputs arrive, each stream's first output first. Outputs
+    of one stream that arrived while the reader was busy come as one (`RequestOutput.then`)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, rest: AsyncIterator[RequestOutput]) -> None:
@@ -106,13 +107,21 @@ async def merge(opened: Sequence[Opened]) -> AsyncIterator[tuple[int, RequestOut
             yield index, o.first
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, Exception):
+            arrived = [await queue.get()]
+            while not queue.empty():
+                arrived.append(queue.get_nowait())
+            outputs: dict[int, RequestOutput] = {}  # per stream, in order of arrival
+            for index, item in arrived:
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    break
+                else:
+                    outputs[index] = outputs[index].then(item) if index in outputs else item
+            for index, out in outputs.items():  # what came before an error goes out first
+                yield index, out
+            if isinstance(item, Exception):
                 raise item
-            else:
-                yield index, item
     finally:
         for task in tasks:  # synchronous, so it happens even inside a cancelled scope
             task.cancel()

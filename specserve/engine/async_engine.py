@@ -2,11 +2,18 @@
 
 The engine is not thread-safe, so only the loop thread touches it. The asyncio side posts commands
 (add, abort, flush, stop) to a thread-safe queue, which the thread drains between steps; each step's
-outputs go back to the requests' asyncio queues through `loop.call_soon_threadsafe` (one call per
+outputs go back to the requests' streams through `loop.call_soon_threadsafe` (one call per
 event loop per step). Tokenisation and chat templating happen in the thread, so the event loop never
 runs tokenizer code. A step that raises fails the requests it may have touched and the loop goes on
 (or, with `fail_on_step_error`, the whole engine fails: what a Ray Serve replica wants, so that it is
-replaced). `fail(reason)` ends every open request at once from the callers' side, without waiting on
+replaced).
+
+Outputs that pile up while a caller is busy reach it as one (`RequestOutput.then`: the later state,
+the deltas joined; nothing is lost). With `stream_messages_per_s`, every open stream also waits for
+its share of that rate between two outputs (its first output, its last and errors never wait): each
+output a caller passes on costs a fixed amount downstream (under Ray Serve, a Ray message from the
+replica and one into the ingress, each far dearer than a decode step's host work), so at high
+concurrency an output carries several tokens, and at low concurrency one per step as before. `fail(reason)` ends every open request at once from the callers' side, without waiting on
 the engine thread, which may be stuck in a collective with a dead TP rank.
 """
 
@@ -16,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -35,7 +43,7 @@ from specserve.api.client import (
 from specserve.engine.engine import Engine
 from specserve.metrics import LOCAL, EngineMetrics, fleet_exposition, merge_expositions
 from specserve.model.tokenizer import chat_prompt_ids
-from specserve.types import RequestOutput, SamplingParams
+from specserve.types import RequestOutput, SamplingParams, joined
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +73,39 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
 
 @dataclass(eq=False)  # compared by identity: an abort names the stream it is for
 class _Stream:
-    """A request's outputs on their way to its `generate` iterator."""
+    """A request's outputs (or an error) on their way to its `generate` iterator; `put` and `take`
+    run on its loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
     admitted: asyncio.Future  # settled by the thread when it admits or refuses the request
     started: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when its latest output with tokens was delivered
     failed: bool = False  # `AsyncEngine.fail` ended it (set on its loop)
+    backlog: collections.deque = field(default_factory=collections.deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set by what `take` waits for
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.backlog.append(item)
+        if len(self.backlog) == 1 or _closes(item):
+            self.ready.set()
+
+    async def take(self, not_before: float) -> list[RequestOutput | BaseException]:
+        """Everything that arrived since the last take, once something has and the loop's clock
+        reached `not_before` (at once when the stream's last output or an error is there)."""
+        while not (self.backlog and (_closes(self.backlog[-1]) or self.loop.time() >= not_before)):
+            self.ready.clear()
+            if not self.backlog:
+                await self.ready.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.ready.wait(), not_before - self.loop.time())
+        items = list(self.backlog)
+        self.backlog.clear()
+        return items
+
+
+def _closes(item: RequestOutput | BaseException) -> bool:
+    return isinstance(item, BaseException) or item.finished
 
 
 @dataclass
@@ -119,14 +152,20 @@ class AsyncEngine:
         retry_after: float = 1.0,
         fail_on_step_error: bool = False,
         keepalive_s: float | None = None,
+        stream_messages_per_s: float | None = None,
     ) -> None:
         """`fail_on_step_error`: a failed step fails the engine for good (`fail`), not only the requests
         it ran. `keepalive_s`: while idle, ping the TP followers this often (`Engine.keepalive`), so
-        their wait for the next step never reaches the group's collective timeout."""
+        their wait for the next step never reaches the group's collective timeout.
+        `stream_messages_per_s`: the outputs per second all open `generate` streams pass on
+        together, at most (each gets an equal share; None: every step's, as they come)."""
         if max_queued_requests < 0:
             raise ValueError("max_queued_requests: must be >= 0")
         if keepalive_s is not None and keepalive_s <= 0:
             raise ValueError("keepalive_s: must be > 0")
+        if stream_messages_per_s is not None and not stream_messages_per_s > 0:
+            raise ValueError("stream_messages_per_s: must be > 0")
+        self.stream_messages_per_s = stream_messages_per_s
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.retry_after = retry_after
@@ -166,7 +205,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
-        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        stream = _Stream(loop, loop.create_future())
         self._open_stream(stream)
         done = False  # the engine thread told this caller the request is over: nothing to abort
         try:
@@ -176,18 +215,26 @@ class AsyncEngine:
             except Exception:
                 done = not stream.failed  # refused by the thread; after `fail`, it may admit it yet
                 raise
+            not_before = -math.inf  # the first output goes at once (time to first token)
             while not done:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    done = not stream.failed
-                    raise item
-                done = item.finished
-                yield item
+                for item in joined(await stream.take(not_before)):
+                    if isinstance(item, BaseException):
+                        done = not stream.failed
+                        raise item
+                    done = item.finished
+                    yield item
+                not_before = loop.time() + self._stream_interval()
         finally:
             with self._cv:
                 self._open.discard(stream)
             if not done:  # closed or cancelled early (a client went away), or failed: free its pages
                 self._post(_Abort(request_id, stream=stream), quiet=True)
+
+    def _stream_interval(self) -> float:
+        """Seconds a stream leaves between two outputs: its share of `stream_messages_per_s`."""
+        if self.stream_messages_per_s is None:
+            return 0.0
+        return len(self._open) / self.stream_messages_per_s
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda reply: _Abort(request_id, reply))
@@ -398,10 +445,10 @@ class AsyncEngine:
             self.engine.abort(req.request_id, error=str(error))
         for request_id in [r for r in self._streams if not self.engine.is_active(r)]:
             stream = self._streams.pop(request_id)
-            self._send(stream.loop, [(stream.queue, error)])
+            self._send(stream.loop, [(stream, error)])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         now = time.monotonic()
         for out in outputs:
             stream = (
@@ -410,7 +457,7 @@ class AsyncEngine:
             if stream is None:  # its caller already went away
                 continue
             self._observe_latency(stream, out, now)
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             if not self._send(loop, items):  # that loop is gone: so are its callers
                 for _, out in items:
@@ -418,7 +465,7 @@ class AsyncEngine:
                     self.engine.abort(out.request_id)
 
     @staticmethod
-    def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> bool:
+    def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) -> bool:
         try:
             loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:
@@ -486,7 +533,7 @@ class AsyncEngine:
             if reply is not None:
                 reply.send(error=unavailable)
         for stream in self._streams.values():
-            self._send(stream.loop, [(stream.queue, unavailable)])
+            self._send(stream.loop, [(stream, unavailable)])
         self._streams.clear()
 
 
@@ -497,12 +544,12 @@ def _fail_stream(stream: _Stream, reason: str) -> None:
     if not stream.admitted.done():
         stream.admitted.set_exception(error)
         stream.admitted.exception()  # retrieved: a caller that left meanwhile never awaits it
-    stream.queue.put_nowait(error)
+    stream.put(error)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 def _model_name(model: str) -> str:

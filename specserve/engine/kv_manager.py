@@ -58,15 +58,18 @@ class KVManager:
         """Offer the request's newly completed pages among its first `upto` tokens to the prefix cache."""
         if self.prefix_cache is None:
             return
-        ps = self.page_size
+        ps, digests = self.page_size, req.page_digests
         # Accepted drafts past a stop token have KV but are not the request's tokens: never keyed.
         limit = min(upto, req.num_computed, len(req.token_ids))
-        while (len(req.page_digests) + 1) * ps <= limit:
-            i = len(req.page_digests)
-            parent = req.page_digests[-1] if req.page_digests else ROOT
-            digest = page_digest(parent, req.token_ids[i * ps : (i + 1) * ps])
-            self.prefix_cache.insert(digest, req.pages[i])
-            req.page_digests.append(digest)
+        i = len(digests)
+        if (i + 1) * ps > limit:  # no page completed since (most steps when pages hold many tokens)
+            return
+        parent = digests[-1] if digests else ROOT
+        while (i + 1) * ps <= limit:
+            parent = page_digest(parent, req.token_ids[i * ps : (i + 1) * ps])
+            self.prefix_cache.insert(parent, req.pages[i])
+            digests.append(parent)
+            i += 1
 
     def free(self, req: Request) -> None:
         # Last pages first, so the prefix cache evicts leaves before the prefixes they extend.

@@ -52,6 +52,8 @@ class PageMirror:
 
     def first(self, pages: list[int], n: int) -> np.ndarray:
         """`pages[:n]` as an int64 array (a view: copy it before `pages` changes)."""
+        if pages is self._source and self._valid == len(pages):  # nothing appended since
+            return self._array[: min(n, self._valid)]
         if pages is not self._source or self._valid > len(pages):
             self._source, self._valid = pages, 0
         if self._valid < len(pages):

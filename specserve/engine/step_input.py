@@ -140,7 +140,7 @@ def build_step_input(
         if ids[-1] == FUTURE_TOKEN:
             ids[-1] = -1 - future[req.request_id]
         ids.extend(item.draft)
-        rows = _input_logprob_rows(item)
+        rows = _input_logprob_rows(item) if req.params.wants_input_logprobs else None
         if rows is not None:
             first_token, ctx_rows = rows
             input_lp.append(
@@ -239,6 +239,10 @@ def _batch_tensors(
     slots: list[int] = []
     for req, start, n in zip(requests, starts, query_lens, strict=True):
         pages = req.pages
+        if n == 1:  # a decode: no loop
+            positions.append(start)
+            slots.append(pages[start // page_size] * page_size + start % page_size)
+            continue
         for p in range(start, start + n):
             positions.append(p)
             slots.append(pages[p // page_size] * page_size + p % page_size)

@@ -121,6 +121,14 @@ class ServeConfig(BaseModel):
         256, ge=0, description="Admitted requests waiting for a running slot per replica; beyond it, 429."
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV pages of shared prompt prefixes.")
+    stream_messages_per_s: float | None = Field(
+        500.0,
+        gt=0,
+        description="Streamed outputs per second an engine replica sends, all its requests together, at "
+        "most: each open stream waits for its share between two outputs, which then carry every token "
+        "made meanwhile (first and last outputs never wait). Each output is a Ray message into the "
+        "ingress, far dearer than a decode step; null: one output per request and step.",
+    )
     seed: int = Field(0, ge=0, description="Seed of the per-request seeds drawn for requests that give none.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas when `autoscaling` is not set.")
     autoscaling: AutoscalingSettings | None = Field(

@@ -69,6 +69,7 @@ class EngineReplica:
             replica=self.replica_id,
             fail_on_step_error=True,  # its state may be broken (a dead rank, a device error): replace it
             keepalive_s=self.config.tp_timeout_s / 4 if tp is not None else None,
+            stream_messages_per_s=self.config.stream_messages_per_s,
         )
         self._stopping = False
         self._watcher = None
