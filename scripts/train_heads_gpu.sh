@@ -14,6 +14,7 @@
 #   DATA_MINUTES=2 WORKERS=4 EAGLE3_MINUTES=2.5 MTP_MINUTES=1.25 METHODS="eagle3 mtp"
 #   EAGLE3_ARGS / MTP_ARGS: extra train-draft flags, e.g. EAGLE3_ARGS="--draft-vocab 4096 --intermediate-size 768"
 #   DEVICE=cpu SMOKE=1: a few steps of everything on the CPU, to check the script itself.
+#   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
 set -uo pipefail
 START=$SECONDS
 LIMIT=${LIMIT:-570}  # seconds this script may take in all (the call's limit is 600)
@@ -52,6 +53,9 @@ if [ -n "${SMOKE:-}" ]; then  # every phase, tiny: checks the script, measures n
 fi
 
 left() { echo $((LIMIT - (SECONDS - START))); }
+
+# GPU_TEST=1: first the trainer's CUDA test (bf16, autocast, fused attention; about 30 s).
+[ -n "${GPU_TEST:-}" ] && python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_train_draft.py
 
 echo "== data: $WORKERS workers, ${DATA_MINUTES} min"
 RESPONSES=()

@@ -253,3 +253,18 @@ def test_default_speculative_is_the_shipped_head_when_present(target, tmp_path, 
     assert ServeConfig().engine_config().speculative == SpeculativeConfig(**spec)
     assert ServeConfig(model=str(target.location.path)).engine_config().speculative.method == "ngram"
     assert default_drafter.default_speculative(str(tmp_path / name)) == default_drafter.NGRAM_DEFAULT
+
+
+@pytest.mark.gpu
+def test_training_on_the_gpu_in_bf16(target, data, tmp_path):
+    """The CUDA path: a bf16 target, autocast, fused SDPA, checkpointed losses; the head then drafts
+    in a CUDA engine."""
+    _, samples = data
+    cuda = torch.device("cuda")
+    on_gpu = load_model(str(target.location.path), cuda, torch.bfloat16)
+    cfg = TrainConfig(method="eagle3", steps=4, lr=3e-3, warmup_steps=5, tokens_per_batch=4096, max_steps=60)
+    result = train_head(on_gpu, samples, cfg, tmp_path / "head", progress_bar=False, log=lambda _: None)
+    assert sum(result.losses[-5:]) < 0.75 * sum(result.losses[:5])
+    spec = {"method": "eagle3", "num_steps": 4, "draft_model": str(tmp_path / "head")}
+    llm = LLM(on_gpu, speculative=spec)
+    assert measure_acceptance(llm, _prompts(16, seed=1), 0.0, 16).accept_length > 1.0
