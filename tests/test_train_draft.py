@@ -14,7 +14,7 @@ import pytest
 import torch
 from head_reference import reference_step_logits
 
-from specserve import LLM
+from specserve import LLM, SamplingParams, default_drafter
 from specserve.cli import main
 from specserve.config import SpeculativeConfig
 from specserve.model.head_checkpoint import load_head, random_head, save_head
@@ -237,8 +237,6 @@ def test_train_draft_command_runs_every_phase(tiny_llama, tmp_path, capsys):
 
 
 def test_default_speculative_is_the_shipped_head_when_present(target, tmp_path, monkeypatch):
-    from specserve import default_drafter
-
     monkeypatch.setattr(default_drafter, "HEADS_DIR", tmp_path)
     name = "smollm2-135m-instruct"
     assert default_drafter.default_speculative(name) == default_drafter.NGRAM_DEFAULT
@@ -268,3 +266,23 @@ def test_training_on_the_gpu_in_bf16(target, data, tmp_path):
     spec = {"method": "eagle3", "num_steps": 4, "draft_model": str(tmp_path / "head")}
     llm = LLM(on_gpu, speculative=spec)
     assert measure_acceptance(llm, _prompts(16, seed=1), 0.0, 16).accept_length > 1.0
+
+
+SHIPPED = sorted(p.name for p in default_drafter.HEADS_DIR.glob("*") if default_drafter.shipped_head(p.name))
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no trained head is shipped in specserve/heads/ yet")
+@pytest.mark.parametrize("model", SHIPPED)
+def test_a_shipped_head_fits_its_model_and_drafts_well(model, mtbench_questions):
+    """What `speculative="default"` loads: at most 12 MB, lossless, and accepted often on MT-Bench."""
+    folder = default_drafter.shipped_head(model)
+    assert (folder / "model.safetensors").stat().st_size <= 12 * 10**6
+    params = SamplingParams(max_new_tokens=48, temperature=0.0)
+    plain = LLM(model, device="cpu", dtype="float32")
+    drafted = LLM(plain.engine.loaded, device="cpu", dtype="float32", speculative="default")
+    assert drafted.engine.config.speculative.draft_model == str(folder)
+    chats = [[{"role": "user", "content": q}] for q in mtbench_questions[:3]]
+    outs = drafted.chat(chats, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.chat(chats, params)]
+    verifies = sum(o.meta["spec_verify_ct"] for o in outs)
+    assert sum(len(o.token_ids) for o in outs) / verifies > 1.5
