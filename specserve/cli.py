@@ -1,4 +1,4 @@
-"""`specserve serve | generate | bench | pull`: the command line."""
+"""`specserve serve | generate | bench | pull | train-draft`: the command line."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def _parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="download named assets (models, data sets) into the cache")
     pull.add_argument("names", nargs="*", help="asset names, e.g. smollm2-135m-instruct mt-bench sharegpt")
+
+    from specserve.train.cli import add_arguments as add_train_arguments
+
+    add_train_arguments(
+        sub.add_parser(
+            "train-draft",
+            help="train a draft head (EAGLE-3, EAGLE, MTP chain) on the target's own answers",
+            description="Phases: prompts (export), data (the target answers), train, eval (accept length).",
+        )
+    )
     return parser
 
 
@@ -125,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specserve.bench import run as run_offline
 
         return run_offline(args)
+    if args.command == "train-draft":
+        from specserve.train.cli import run as run_train
+
+        return run_train(args)
     from specserve.assets import main_pull
 
     return main_pull(args.names)

@@ -12,11 +12,15 @@ import argparse
 from specserve.config import SPEC_METHODS, SpeculativeConfig
 
 DEFAULT_NUM_STEPS = 4
+DEFAULT_MODEL = "smollm2-135m-instruct"  # what every command serves without --model
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--speculative", default=None, choices=SPEC_METHODS, help="speculative method (default: off)"
+        "--speculative",
+        default=None,
+        choices=(*SPEC_METHODS, "default"),
+        help="speculative method (default: off); `default`: the model's shipped draft head, else n-gram",
     )
     parser.add_argument(
         "--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="draft tokens per step with --speculative"
@@ -40,6 +44,10 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 def speculative_from_args(args: argparse.Namespace) -> dict | None:
     if not args.speculative:
         return None
+    if args.speculative == "default":  # its own num_steps and draft model
+        from specserve.default_drafter import default_speculative
+
+        return default_speculative(getattr(args, "model", None) or DEFAULT_MODEL)
     spec = {"method": args.speculative, "num_steps": args.num_steps}
     if args.topk != 1:
         spec["topk"] = args.topk

@@ -133,10 +133,17 @@ class SpeculativeConfig:
         return self.num_steps if self.topk == 1 else min(self.topk * self.num_steps, 64)
 
     @classmethod
-    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
-        """Accept a config, a dict of its fields, or a method name."""
+    def from_value(
+        cls, value: SpeculativeConfig | dict | str | None, model: str | None = None
+    ) -> SpeculativeConfig | None:
+        """Accept a config, a dict of its fields, a method name, or "default": the drafter shipped
+        for target `model` (specserve/default_drafter.py)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        if value == "default":
+            from specserve.default_drafter import default_speculative
+
+            value = default_speculative(model)
         if isinstance(value, str):
             return cls(method=value)
         if not isinstance(value, dict):
@@ -235,7 +242,8 @@ class EngineConfig:
             if isinstance(fields.get(name), Mapping):
                 _require_known(fields[name], sub, name)
                 fields[name] = sub(**fields[name])
-        fields["speculative"] = SpeculativeConfig.from_value(fields.get("speculative"))
+        model = fields.get("model", cls.model)
+        fields["speculative"] = SpeculativeConfig.from_value(fields.get("speculative"), model)
         return cls(**fields)
 
     def torch_device(self) -> torch.device:

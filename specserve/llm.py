@@ -27,7 +27,8 @@ class LLM:
     `cuda_graph_max_batch` (default: on with the Triton backend on CUDA). `overlap_schedule`: the
     host prepares step n+1 while the device runs step n (default: on without speculation).
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
-    (e.g. `{"method": "ngram", "num_steps": 4}`) or a method name.
+    (e.g. `{"method": "ngram", "num_steps": 4}`), a method name, or "default": the draft head
+    trained for the model when one ships with specserve (docs/draft-training.md), else n-gram.
 
     An LLM is one process (tensor-parallel size 1). A tensor-parallel engine is an
     `Engine(EngineConfig(..., tp_size=N), tp=...)` on rank 0 of a group whose other ranks run
@@ -65,7 +66,7 @@ class LLM:
             cuda_graph_max_batch=cuda_graph_max_batch,
             overlap_schedule=overlap_schedule,
             seed=seed,
-            speculative=SpeculativeConfig.from_value(speculative),
+            speculative=SpeculativeConfig.from_value(speculative, loaded.location.name if loaded else model),
             cache=CacheConfig(
                 page_size=page_size,
                 max_total_tokens=max_total_tokens,

@@ -49,6 +49,14 @@ def test_sharegpt_first_human_turns_filtered_and_shuffled_by_seed(tmp_path):
     assert select_texts(texts, shuffle=False, max_chars=12) == ["Explain TP."]
 
 
+def test_sharegpt_reads_the_conversations_before_a_truncated_tail(tmp_path):
+    """The pinned ShareGPT wheel's file stops mid-conversation: everything before the cut is read."""
+    whole = json.dumps([{"conversations": [{"from": "human", "value": f"Question {i}?"}]} for i in range(5)])
+    path = tmp_path / "cut.json"
+    path.write_text(whole[: whole.index("Question 4") + 4])
+    assert sharegpt_texts(path) == [f"Question {i}?" for i in range(4)]
+
+
 def test_cycle_wraps_and_refuses_nothing():
     assert cycle(["a", "b"], 5) == ["a", "b", "a", "b", "a"]
     with pytest.raises(ValueError, match="no prompts"):

@@ -121,19 +121,23 @@ def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys
     assert "specserve-ngram-4 is configured twice" in capsys.readouterr().err
 
 
-def test_bench_and_generate_need_no_http_stack():
-    """The GPU machine has no fastapi, starlette, pydantic or ray: the CLI's parser and the offline
-    bench must import without them (only `specserve serve` needs them)."""
+def test_bench_generate_and_train_draft_need_no_http_stack():
+    """The GPU machine has no fastapi, starlette, pydantic, ray or prometheus client: the CLI's parser,
+    the offline bench and every draft-training module must import without them (only `specserve
+    serve` needs them)."""
+    blocked = ("fastapi", "starlette", "pydantic", "ray", "uvicorn", "prometheus_client")
     code = (
         "import builtins, sys\n"
         "real = builtins.__import__\n"
         "def guard(name, *a, **k):\n"
-        "    if name.split('.')[0] in ('fastapi', 'starlette', 'pydantic', 'ray', 'uvicorn'):\n"
+        f"    if name.split('.')[0] in {blocked!r}:\n"
         "        raise ImportError('blocked ' + name)\n"
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
-        "from specserve import cli, bench\n"
+        "from specserve import cli, bench, llm, default_drafter\n"
+        "from specserve.train import checkpoint, data, dataset, evaluate, trainer, unroll\n"
         "cli._parser().parse_args(['bench', 'offline', '--batch-sizes', '1'])\n"
+        "cli._parser().parse_args(['train-draft', '--out', 'x', '--max-minutes', '1'])\n"
         "print('ok')\n"
     )
     done = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)

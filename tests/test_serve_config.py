@@ -11,6 +11,8 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
+from specserve.config import SpeculativeConfig
+from specserve.default_drafter import default_speculative
 from specserve.serve.autoscaling import EngineLoadPolicy, LoadReport, engine_load_policy, replicas_needed
 from specserve.serve.config import ServeConfig
 from specserve.serve.placement import engine_deployment_options
@@ -97,7 +99,8 @@ def test_defaults_are_the_embedded_model_with_its_drafter():
     config = ServeConfig()
     engine = config.engine_config()
     assert engine.model == "smollm2-135m-instruct"
-    assert engine.speculative is not None and engine.speculative.method == "ngram"
+    # "default": the head shipped for the model if the package holds one, else n-gram (test_train_draft.py)
+    assert engine.speculative == SpeculativeConfig.from_value(default_speculative(engine.model))
     assert (config.host, config.port) == ("127.0.0.1", 8000)
     assert ServeConfig(speculative=None).engine_config().speculative is None
     tree = ServeConfig(speculative={"method": "ngram", "topk": 4, "num_draft_tokens": 16}).engine_config()

@@ -179,15 +179,29 @@ class DraftHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of step module `module` over [T] tokens: (the hidden state the next step
         consumes [T, H], the hidden state its lm_head reads [T, H])."""
+        return self.forward_step(module, input_ids, hidden, positions, ctx, from_target)
+
+    def forward_step(
+        self,
+        module: int,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        from_target: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` with autograd (the trainer's forward; specserve/train/unroll.py)."""
         emb = (self.embed_tokens or self._target[0])(input_ids)
         return self.step_modules[module](emb, hidden, positions, self.rope, ctx, from_target)
 
     @torch.inference_mode()
     def logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the draft vocabulary [T, vocab_out] for chosen rows of `run`'s second output."""
-        return self._head(module)(hidden).float()
+        return self.output_head(module)(hidden).float()
 
-    def _head(self, module: int) -> nn.Module:
+    def output_head(self, module: int) -> nn.Module:
+        """The lm_head step module `module`'s second output goes through: its own, the head's, or the
+        target's (draft vocabulary out)."""
         own = getattr(self.step_modules[module], "shared_head", None)
         if own is not None and own.head is not None:
             return own.head

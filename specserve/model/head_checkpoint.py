@@ -31,6 +31,23 @@ _ARCHITECTURES = {
 }
 
 
+def head_method(config: dict) -> str:
+    """The method of a head folder's config.json: what `specserve train-draft` recorded, else its
+    architecture (an MTP layer is a plain Llama layer with `num_nextn_predict_layers`)."""
+    recorded = (config.get("specserve") or {}).get("method")
+    if recorded in HEAD_METHODS:
+        return recorded
+    if config.get("num_nextn_predict_layers"):
+        return "mtp"
+    by_arch = {arch: method for method, arch in _ARCHITECTURES.items() if method != "mtp"}
+    for arch in config.get("architectures") or []:
+        if arch in by_arch:
+            return by_arch[arch]
+    raise ValueError(
+        f"speculative.draft_model: cannot tell the head's method from {config.get('architectures')}"
+    )
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """Low, middle and high target layers, as EAGLE-3 training recipes pick them."""
     return tuple(min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4))
@@ -175,7 +192,39 @@ def _mtp_param_name(name: str, first: int, k: int) -> str | None:
     return f"step_modules.{i}.{rest}"
 
 
-# ---- seeded random heads (tests, and the starting point of training) -----------------------------
+# ---- new heads: seeded random ones (tests) and the trainer's starting point ---------------------
+
+
+def new_head_spec(
+    method: str,
+    target: ModelArch,
+    *,
+    num_modules: int = 1,
+    layers_per_module: int = 1,
+    draft_vocab_size: int | None = None,
+    intermediate_size: int | None = None,
+) -> HeadSpec:
+    """The shape of a new head that fits `target`: its decoder layers are the target's (MLP width
+    `intermediate_size` when given); a `draft_vocab_size` below the target's gives it its own
+    reduced lm_head (EAGLE-3), otherwise it shares the target's."""
+    if method not in HEAD_METHODS:
+        raise ValueError(f"method: {method!r} is not a draft head (one of {list(HEAD_METHODS)})")
+    reduced = draft_vocab_size is not None and draft_vocab_size < target.vocab_size
+    if reduced and method != "eagle3":
+        raise ValueError("draft_vocab_size: only EAGLE-3 heads have a reduced vocabulary")
+    arch = _head_arch(method, target, layers_per_module, num_modules)
+    if intermediate_size is not None:
+        arch = replace(arch, intermediate_size=intermediate_size)
+    return HeadSpec(
+        method,
+        arch,
+        num_modules=num_modules if method == "mtp" else 1,
+        layers_per_module=layers_per_module if method == "eagle" else 1,
+        draft_vocab_size=draft_vocab_size if reduced else None,
+        aux_layers=default_aux_layers(target.num_layers) if method == "eagle3" else (),
+        fc_bias=method == "eagle",
+        own_lm_head=reduced,
+    )
 
 
 def random_head(
@@ -191,28 +240,45 @@ def random_head(
     """(config.json, tensors in checkpoint names) of a head with seeded random weights that fits
     `target`. Norm weights are randomised around 1 too, so a mixed-up norm cannot hide."""
     gen = torch.Generator().manual_seed(seed)
-    reduced = draft_vocab_size is not None and draft_vocab_size < target.vocab_size
-    spec = HeadSpec(
+    spec = new_head_spec(
         method,
-        _head_arch(method, target, layers_per_module, num_modules),
-        num_modules=num_modules if method == "mtp" else 1,
-        layers_per_module=layers_per_module if method == "eagle" else 1,
-        draft_vocab_size=draft_vocab_size if reduced else None,
-        aux_layers=default_aux_layers(target.num_layers) if method == "eagle3" else (),
-        fc_bias=method == "eagle",
-        own_lm_head=reduced,
+        target,
+        num_modules=num_modules,
+        layers_per_module=layers_per_module,
+        draft_vocab_size=draft_vocab_size,
     )
     head = DraftHead(spec, target.hidden_size)
     with torch.no_grad():
         for name, param in head.named_parameters():
             noise = torch.randn(param.shape, generator=gen) * init_std
             param.copy_(1.0 + noise if "norm" in name else noise)
+    ids = None
+    if spec.draft_vocab_size is not None:
+        ids = torch.randperm(target.vocab_size, generator=gen)[: spec.draft_vocab_size].sort().values
+    return head_checkpoint(head, target, ids)
+
+
+def head_checkpoint(
+    head: DraftHead,
+    target: ModelArch,
+    draft_ids: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, tensors in checkpoint names) of `head`, on the CPU, floating-point tensors in
+    `dtype` when given. A reduced vocabulary needs `draft_ids`, the target id of each draft id
+    (ascending), stored as EAGLE-3's d2t offsets and t2d mask."""
     tensors = _checkpoint_tensors(head, target.num_layers)
-    if reduced:
-        ids = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab_size].sort().values
-        tensors["d2t"] = ids - torch.arange(draft_vocab_size)
+    if dtype is not None:
+        tensors = {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+    tensors = {n: t.cpu() for n, t in tensors.items()}
+    size = head.spec.draft_vocab_size
+    if size is not None:
+        if draft_ids is None or draft_ids.shape != (size,):
+            raise ValueError(f"draft_ids: a reduced vocabulary of {size} needs {size} target ids")
+        ids = draft_ids.cpu().long()
+        tensors["d2t"] = ids - torch.arange(size)
         tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
-    return _head_config(spec, target, num_modules), tensors
+    return _head_config(head.spec, target, head.spec.num_modules), tensors
 
 
 def save_head(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specserve.api import API_KEY_ENV
 from specserve.api.auth import check_api_key
@@ -17,8 +25,6 @@ from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, Specula
 from specserve.executor.tp_group import DEFAULT_TIMEOUT_S
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-# The embedded default drafter until trained heads ship: prompt lookup needs no weights.
-DEFAULT_SPECULATIVE: dict[str, Any] = {"method": "ngram", "num_steps": 4}
 
 
 class AutoscalingSettings(BaseModel):
@@ -94,10 +100,11 @@ class ServeConfig(BaseModel):
         None, description="The name clients send as `model` and `/v1/models` lists (default: `model`)."
     )
     speculative: dict[str, Any] | str | None = Field(
-        default_factory=lambda: dict(DEFAULT_SPECULATIVE),
+        "default",
         description="Speculative decoding: a method name, a mapping of SpeculativeConfig fields "
         "(method, num_steps, topk, num_draft_tokens, draft_model, ...; topk > 1 drafts trees), "
-        "or null for plain decoding.",
+        "null for plain decoding, or `default`: the draft head trained for the model when one ships "
+        "with specserve, else n-gram prompt lookup.",
     )
     tp_size: int = Field(
         1, ge=1, le=64, description="Tensor-parallel ranks per engine replica (GPUs, or CPU processes)."
@@ -167,8 +174,10 @@ class ServeConfig(BaseModel):
 
     @field_validator("speculative")
     @classmethod
-    def _speculative(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
-        SpeculativeConfig.from_value(value)  # raises ValueError naming the setting
+    def _speculative(
+        cls, value: dict[str, Any] | str | None, info: ValidationInfo
+    ) -> dict[str, Any] | str | None:
+        SpeculativeConfig.from_value(value, info.data.get("model"))  # raises ValueError naming the setting
         return value
 
     @field_validator("api_key")
@@ -208,5 +217,5 @@ class ServeConfig(BaseModel):
                 max_running_requests=self.max_running_requests,
                 max_batched_tokens=self.max_batched_tokens,
             ),
-            speculative=SpeculativeConfig.from_value(self.speculative),
+            speculative=SpeculativeConfig.from_value(self.speculative, self.model),
         )

@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
     parser.add_argument(
-        "--no-speculative", action="store_true", help="plain decoding (default: the n-gram drafter)"
+        "--no-speculative",
+        action="store_true",
+        help="plain decoding (default: the model's shipped draft head, else the n-gram drafter)",
     )
     add_speculative_arguments(parser)
     parser.add_argument(
@@ -65,6 +67,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         config["api_key"] = api_key
     if args.no_speculative:
         config["speculative"] = None
+    elif args.speculative == "default":  # resolved by each replica, against its own install
+        config["speculative"] = "default"
     elif args.speculative:
         config["speculative"] = speculative_from_args(args)
     return config

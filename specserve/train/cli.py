@@ -1,0 +1,292 @@
+"""`specserve train-draft`: generate data with the target, train a draft head, measure its acceptance.
+
+    specserve train-draft --method eagle3 --target smollm2-135m-instruct --data sharegpt --out DIR
+
+Phases (`--phase`, comma-separated, in this order): `prompts` writes the data set's prompts to
+DIR/prompts.jsonl.gz (a file a machine without the data set's wheel can carry, then `--data FILE`);
+`data` answers them with the target (`--responses`, default DIR/responses.npz); `train` trains the
+head into DIR (an HF folder `--speculative METHOD --draft-model DIR` loads; resumed from
+DIR/training/state.pt when present); `eval` measures accept lengths on MT-Bench into DIR/eval.json.
+Only argparse is imported until a phase runs (no Ray, pydantic or FastAPI on the way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+PHASES = ("prompts", "data", "train", "eval")
+METHODS = ("eagle3", "eagle", "mtp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--method", default="eagle3", choices=METHODS, help="head to train")
+    parser.add_argument(
+        "--target", default="smollm2-135m-instruct", help="target model: asset name, .gguf or HF folder"
+    )
+    parser.add_argument(
+        "--data", default="sharegpt", help="prompts: sharegpt, mt-bench, or a JSON-lines file (.gz too)"
+    )
+    parser.add_argument("--out", required=True, help="the head's folder (and the run's state)")
+    parser.add_argument("--phase", default="data,train,eval", help=f"comma-separated, of {', '.join(PHASES)}")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", help="the target's dtype (auto: bf16 on GPU, fp32 on CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    data = parser.add_argument_group("data generation")
+    data.add_argument(
+        "--responses",
+        default=None,
+        help="generated data file (default: OUT/responses.npz); training reads a comma-separated list",
+    )
+    data.add_argument(
+        "--shard",
+        default="0/1",
+        metavar="W/N",
+        help="answer every N-th prompt from the W-th (N generation processes can share one GPU)",
+    )
+    data.add_argument("--num-prompts", type=int, default=None, help="stop after this many answered prompts")
+    data.add_argument("--data-minutes", type=float, default=None, help="stop generating after this long")
+    data.add_argument("--max-new-tokens", type=int, default=512, help="longest answer")
+    data.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
+    data.add_argument("--gen-batch", type=int, default=64, help="requests decoded together")
+    data.add_argument("--max-prompt-chars", type=int, default=2000)
+    data.add_argument("--max-prompt-tokens", type=int, default=1024)
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--max-steps", type=int, default=None, help="optimizer steps (total, across resumes)")
+    train.add_argument(
+        "--max-minutes", type=float, default=None, help="training time (total, across resumes)"
+    )
+    train.add_argument("--unroll", type=int, default=6, help="chain steps unrolled per batch")
+    train.add_argument("--loss-decay", type=float, default=0.8, help="step s's loss weighs DECAY**s")
+    train.add_argument("--lr", type=float, default=3e-4)
+    train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument("--tokens-per-batch", type=int, default=16384, help="padded tokens per batch")
+    train.add_argument("--max-len", type=int, default=2048, help="tokens kept of each sample")
+    train.add_argument("--num-modules", type=int, default=2, help="mtp: layers in the chain")
+    train.add_argument("--layers", type=int, default=1, help="eagle: decoder layers of the head")
+    train.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width")
+    train.add_argument(
+        "--draft-vocab", type=int, default=None, help="eagle3: a reduced vocabulary of this many ids"
+    )
+    train.add_argument("--checkpoint-every", type=int, default=200, help="snapshot every N steps")
+    train.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    train.add_argument("--no-resume", action="store_true", help="start afresh even if OUT holds a snapshot")
+
+    ev = parser.add_argument_group("evaluation")
+    ev.add_argument("--eval-data", default="mt-bench", help="prompts to measure acceptance on")
+    ev.add_argument("--eval-prompts", type=int, default=80)
+    ev.add_argument("--eval-max-new-tokens", type=int, default=256)
+    ev.add_argument("--eval-steps", type=int, default=5, help="chain length (num_steps)")
+    ev.add_argument("--eval-temperatures", default="0,0.7", help="comma-separated")
+    ev.add_argument(
+        "--eval-tree",
+        action="append",
+        default=[],
+        metavar="TOPK:DRAFT_TOKENS",
+        help="also a tree of this shape (repeatable; skipped with a note where the engine has no trees)",
+    )
+    ev.add_argument("--eval-ngram", action="store_true", help="also the n-gram drafter, for reference")
+
+
+def run(args: argparse.Namespace) -> int:
+    phases = [p.strip() for p in args.phase.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        print(f"specserve train-draft: error: unknown phase {unknown} (of {list(PHASES)})", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, phases)
+    except ValueError as err:
+        print(f"specserve train-draft: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace, phases: list[str]) -> int:
+    from specserve.train.data import prompt_texts, write_prompts
+
+    out = Path(args.out)
+    if "prompts" in phases:
+        texts = prompt_texts(args.data, seed=args.seed, max_chars=args.max_prompt_chars)
+        texts = texts[: args.num_prompts] if args.num_prompts else texts
+        print(f"prompts: {len(texts)} in {write_prompts(texts, out / 'prompts.jsonl.gz')}")
+    rest = [p for p in phases if p != "prompts"]
+    if not rest:
+        return 0
+    loaded = _load(args)
+    for phase, run_phase in (("data", _data_phase), ("train", _train_phase), ("eval", _eval_phase)):
+        if phase in rest:
+            run_phase(args, loaded, out)
+            _free_memory()  # the phase's engines and batches are gone: give their memory back
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from specserve.config import EngineConfig
+    from specserve.model.loader import load_model
+
+    where = EngineConfig(model=args.target, device=args.device, dtype=args.dtype)
+    return load_model(args.target, where.torch_device(), where.torch_dtype())
+
+
+def _responses_paths(args: argparse.Namespace, out: Path) -> list[Path]:
+    if not args.responses:
+        return [out / "responses.npz"]
+    return [Path(p) for p in args.responses.split(",") if p.strip()]
+
+
+def _shard(text: str) -> tuple[int, int]:
+    worker, _, count = text.partition("/")
+    try:
+        w, n = int(worker), int(count)
+    except ValueError:
+        raise ValueError(f"--shard: {text!r} is not W/N") from None
+    if not 0 <= w < n:
+        raise ValueError(f"--shard: {text!r} needs 0 <= W < N")
+    return w, n
+
+
+def _chat_prompts(loaded, texts: list[str]) -> list[list[int]]:
+    from specserve.model.tokenizer import chat_prompt_ids
+
+    return [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
+    from specserve import LLM
+    from specserve.train.data import GenerationSettings, generate_responses, prompt_texts
+
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.gen_temperature,
+        max_prompt_tokens=args.max_prompt_tokens,
+        in_flight=2 * args.gen_batch,
+    )
+    worker, workers = _shard(args.shard)
+    paths = _responses_paths(args, out)
+    if len(paths) != 1:
+        raise ValueError("--responses: the data phase writes one file")
+    texts = prompt_texts(args.data, seed=args.seed, max_chars=args.max_prompt_chars)[worker::workers]
+    prompts = _chat_prompts(loaded, texts)
+    deadline = time.monotonic() + args.data_minutes * 60 if args.data_minutes else None
+    llm = LLM(
+        loaded,
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.gen_batch,
+        cuda_graph_max_batch=args.gen_batch,
+        max_batched_tokens=8192,
+        max_total_tokens=args.gen_batch * (args.max_prompt_tokens + args.max_new_tokens + 8),
+        seed=args.seed,
+    )
+    meta = {"target": args.target, "data": args.data, "shard": args.shard, **dataclasses.asdict(settings)}
+    generate_responses(
+        llm,
+        prompts,
+        paths[0],
+        settings,
+        max_samples=args.num_prompts,
+        deadline=deadline,
+        meta=meta,
+    )
+
+
+def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
+    from specserve.train.data import load_all
+    from specserve.train.trainer import TrainConfig, train_head
+
+    max_steps, max_minutes = args.max_steps, args.max_minutes
+    if max_steps is None and max_minutes is None:
+        max_minutes = 30.0
+    cfg = TrainConfig(
+        method=args.method,
+        num_modules=args.num_modules if args.method == "mtp" else 1,
+        layers_per_module=args.layers if args.method == "eagle" else 1,
+        intermediate_size=args.intermediate_size,
+        draft_vocab=args.draft_vocab if args.method == "eagle3" else None,
+        steps=args.unroll,
+        decay=args.loss_decay,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        tokens_per_batch=args.tokens_per_batch,
+        max_len=args.max_len,
+        max_steps=max_steps,
+        max_minutes=max_minutes,
+        checkpoint_every=args.checkpoint_every,
+        save_dtype=args.save_dtype,
+        seed=args.seed,
+    )
+    samples = load_all(_responses_paths(args, out))
+    train_head(loaded, samples, cfg, out, resume=not args.no_resume, progress_bar=not args.no_progress)
+
+
+def _eval_phase(args: argparse.Namespace, loaded, out: Path) -> None:
+    from specserve.train.data import prompt_texts
+
+    texts = prompt_texts(args.eval_data, seed=args.seed)[: args.eval_prompts]
+    prompts = [p for p in _chat_prompts(loaded, texts) if len(p) <= args.max_prompt_tokens]
+    head = {"method": args.method, "num_steps": args.eval_steps, "draft_model": str(out)}
+    configs = [head] + [_tree(head, shape) for shape in args.eval_tree]
+    if args.eval_ngram:
+        configs.append({"method": "ngram", "num_steps": args.eval_steps})
+    temperatures = [float(t) for t in args.eval_temperatures.split(",") if t.strip()]
+    reports: list[dict] = []
+    for spec in configs:
+        reports += _measure(args, loaded, spec, prompts, temperatures)
+        _free_memory()
+    path = out / "eval.json"
+    path.write_text(json.dumps({"target": args.target, "data": args.eval_data, "reports": reports}, indent=2))
+    print(f"eval: {path}")
+
+
+def _tree(head: dict, shape: str) -> dict:
+    topk, _, tokens = shape.partition(":")
+    try:
+        return {**head, "topk": int(topk), "num_draft_tokens": int(tokens)}
+    except ValueError:
+        raise ValueError(f"--eval-tree: {shape!r} is not TOPK:DRAFT_TOKENS") from None
+
+
+def _measure(args, loaded, spec: dict, prompts: list[list[int]], temperatures: list[float]) -> list[dict]:
+    from specserve import LLM
+    from specserve.train.evaluate import measure_acceptance
+
+    longest = max(len(p) for p in prompts)
+    try:
+        llm = LLM(
+            loaded,
+            device=args.device,
+            dtype=args.dtype,
+            speculative=spec,
+            max_running_requests=len(prompts),
+            max_total_tokens=len(prompts) * (longest + args.eval_max_new_tokens + 2 * args.eval_steps + 8),
+            seed=args.seed,
+        )
+    except ValueError as err:  # e.g. trees where the engine has none yet
+        print(f"eval: {spec} skipped: {err}")
+        return [{"speculative": spec, "skipped": str(err)}]
+    reports = []
+    for temperature in temperatures:
+        report = measure_acceptance(llm, prompts, temperature, args.eval_max_new_tokens, seed=args.seed)
+        print(
+            f"eval: {spec['method']} steps {spec['num_steps']} topk {spec.get('topk', 1)} T={temperature}: "
+            f"accept length {report.accept_length:.2f}, per position "
+            + " ".join(f"{a:.2f}" for a in report.per_position)
+        )
+        reports.append(report.as_dict())
+    return reports
+
+
+def _free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,224 @@
+"""Phase 1 of draft training: the target answers prompts through our own engine; token ids are kept.
+
+The target's answers, not the data set's, are what a draft head must predict (self-distillation):
+each prompt is wrapped in the target's chat template and generated with the offline `LLM` in large
+batches, fed continuously through the engine's step loop (a new prompt joins as soon as one ends:
+no batch waits for its longest answer). Only token ids are stored (`responses.npz`: one flat id
+array, each sample's length, prompt length and prompt index); hidden states are recomputed during
+training, never written to disk. The file is rewritten every `save_seconds` with the prompts
+answered so far, so a run stopped by its time budget (whose unfinished answers are dropped) or
+killed resumes with the prompts it has not answered.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specserve.types import SamplingParams
+
+RESPONSES = "responses.npz"
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Token sequences (prompt + the target's answer) in one flat array."""
+
+    tokens: np.ndarray  # [N] int32, every sample's ids back to back
+    lengths: np.ndarray  # [n] int64
+    prompt_lens: np.ndarray  # [n] int64
+    prompt_index: np.ndarray  # [n] int64: which prompt each sample answers
+    meta: dict | None = None  # how the answers were generated
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> np.ndarray:
+        start = int(self.starts[i])
+        return self.tokens[start : start + int(self.lengths[i])]
+
+    def response_tokens(self) -> np.ndarray:
+        """Every answer token (the draft vocabulary is chosen from these)."""
+        keep = np.ones(len(self.tokens), dtype=bool)
+        for start, prompt in zip(self.starts, self.prompt_lens, strict=True):
+            keep[start : start + prompt] = False
+        return self.tokens[keep]
+
+
+def empty_samples(meta: dict | None = None) -> Samples:
+    none = np.zeros(0, np.int64)
+    return Samples(np.zeros(0, np.int32), none, none, none, meta)
+
+
+def append(samples: Samples, new: Sequence[tuple[list[int], int, int]]) -> Samples:
+    """`samples` plus `new` (token ids, prompt length, prompt index) triples."""
+    if not new:
+        return samples
+    return Samples(
+        np.concatenate([samples.tokens, *[np.asarray(ids, np.int32) for ids, _, _ in new]]),
+        np.concatenate([samples.lengths, [len(ids) for ids, _, _ in new]]).astype(np.int64),
+        np.concatenate([samples.prompt_lens, [p for _, p, _ in new]]).astype(np.int64),
+        np.concatenate([samples.prompt_index, [i for _, _, i in new]]).astype(np.int64),
+        samples.meta,
+    )
+
+
+def save_samples(samples: Samples, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.npz")
+    np.savez_compressed(
+        tmp,
+        tokens=samples.tokens,
+        lengths=samples.lengths,
+        prompt_lens=samples.prompt_lens,
+        prompt_index=samples.prompt_index,
+        meta=np.array(json.dumps(samples.meta or {})),
+    )
+    tmp.replace(path)
+    return path
+
+
+def load_all(paths: Sequence[str | Path]) -> Samples:
+    """Several response files (e.g. one per generation worker) as one set of samples."""
+    parts = [load_samples(p) for p in paths]
+    if not parts:
+        raise ValueError("data: no response files given")
+    return Samples(
+        np.concatenate([p.tokens for p in parts]),
+        np.concatenate([p.lengths for p in parts]),
+        np.concatenate([p.prompt_lens for p in parts]),
+        np.concatenate([p.prompt_index for p in parts]),
+        parts[0].meta,
+    )
+
+
+def load_samples(path: str | Path) -> Samples:
+    """A `responses.npz`, or a folder holding one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESPONSES
+    if not path.is_file():
+        raise ValueError(f"data: no generated responses at {path} (run the data phase first)")
+    with np.load(path) as f:
+        return Samples(
+            f["tokens"].astype(np.int32),
+            f["lengths"].astype(np.int64),
+            f["prompt_lens"].astype(np.int64),
+            f["prompt_index"].astype(np.int64),
+            json.loads(str(f["meta"])),
+        )
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+
+
+def prompt_texts(data: str, *, seed: int = 0, max_chars: int = 2000) -> list[str]:
+    """User prompts: a named data set (`sharegpt`, `mt-bench`: first user turns, in benchmark order)
+    or a prompts file (JSON lines, optionally gzipped: a string, or an object with `prompt`/`text`)."""
+    from specserve.bench_data import DATASETS, select_texts
+    from specserve.bench_data import prompt_texts as dataset_texts
+
+    if data in DATASETS:
+        return dataset_texts(data, seed=seed, max_chars=max_chars)
+    path = Path(data)
+    if not path.is_file():
+        raise ValueError(f"data: {data!r} is neither a data set ({', '.join(DATASETS)}) nor a prompts file")
+    opener = gzip.open if path.suffix == ".gz" else open
+    texts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                item = json.loads(line)
+                texts.append(item if isinstance(item, str) else item.get("prompt") or item.get("text") or "")
+    return select_texts(texts, shuffle=False, max_chars=max_chars)
+
+
+def write_prompts(texts: Sequence[str], path: str | Path) -> Path:
+    """A gzipped JSON-lines prompts file (what a machine without the data set's wheel can carry)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps(text) + "\n")
+    return path
+
+
+# ---- generation ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    max_prompt_tokens: int = 1024
+    in_flight: int = 128  # requests handed to the engine at once (its running cap, plus a queue)
+    save_seconds: float = 30.0
+
+
+def generate_responses(
+    llm,
+    prompts: Sequence[Sequence[int]],
+    path: str | Path,
+    settings: GenerationSettings,
+    *,
+    max_samples: int | None = None,
+    deadline: float | None = None,
+    meta: dict | None = None,
+    log=print,
+) -> Samples:
+    """Answer `prompts` (token ids, chat template applied) with `llm`'s engine, resuming from `path`
+    if it exists (answered prompts are skipped), until the prompts, `max_samples` or the `deadline`
+    (time.monotonic()) run out; answers unfinished at the deadline are dropped. Prompts longer than
+    `max_prompt_tokens` are skipped."""
+    path = Path(path)
+    engine = llm.engine
+    samples = load_samples(path) if path.is_file() else empty_samples(meta)
+    answered = set(samples.prompt_index.tolist())
+    todo = (i for i, p in enumerate(prompts) if i not in answered and len(p) <= settings.max_prompt_tokens)
+    budget = (max_samples - len(samples)) if max_samples is not None else len(prompts)
+    in_flight: dict[str, int] = {}
+    new: list[tuple[list[int], int, int]] = []
+    began = saved = time.monotonic()
+    while True:
+        late = deadline is not None and time.monotonic() >= deadline
+        while not late and len(in_flight) < settings.in_flight and len(in_flight) + len(new) < budget:
+            i = next(todo, None)
+            if i is None:
+                break
+            params = SamplingParams(
+                max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=i
+            )
+            in_flight[engine.add_request(list(prompts[i]), params)] = i
+        if late:
+            for request_id in in_flight:
+                engine.abort(request_id)
+        if not in_flight:
+            break
+        for out in engine.step():
+            i = in_flight.pop(out.request_id, None) if out.finished else None
+            if i is not None and out.finish_reason != "abort":
+                new.append((list(prompts[i]) + list(out.token_ids), len(prompts[i]), i))
+        if time.monotonic() - saved >= settings.save_seconds:
+            samples, new, saved = _save(samples, new, path, began, log), [], time.monotonic()
+    while engine.has_unfinished():  # the aborted requests' last outputs
+        engine.step()
+    return _save(samples, new, path, began, log)
+
+
+def _save(samples: Samples, new: list, path: Path, began: float, log) -> Samples:
+    samples = append(samples, new)
+    save_samples(samples, path)
+    answer_tokens = int(samples.lengths.sum() - samples.prompt_lens.sum())
+    log(f"data: {len(samples)} samples, {answer_tokens} answer tokens ({time.monotonic() - began:.0f}s)")
+    return samples

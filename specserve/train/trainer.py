@@ -1,0 +1,216 @@
+"""Phase 2 of draft training: the loop. AdamW on the head's parameters (fp32 masters, bf16 autocast
+on CUDA), warmup then cosine decay over the run's budget (steps or minutes, whichever ends first),
+gradient clipping, a progress bar, a snapshot every `checkpoint_every` steps and at the end, and
+the head folder exported beside it. Started again on the same `out`, it resumes from the snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve.model.draft_heads import DraftHead
+from specserve.model.head_checkpoint import new_head_spec
+from specserve.model.loader import LoadedModel
+from specserve.train.checkpoint import (
+    Progress,
+    append_log,
+    check_resumable,
+    export_head,
+    load_state,
+    restore,
+    save_state,
+)
+from specserve.train.data import Samples
+from specserve.train.dataset import draft_vocabulary, epoch_batches, make_batch
+from specserve.train.unroll import unrolled_loss
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str = "eagle3"
+    num_modules: int = 1  # MTP chain length k
+    layers_per_module: int = 1  # EAGLE-1 decoder layers
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's)
+    draft_vocab: int | None = None  # EAGLE-3 reduced vocabulary (None: the target's lm_head)
+    steps: int = 6  # chain steps unrolled per batch
+    decay: float = 0.8  # step s's loss weighs decay**s
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    tokens_per_batch: int = 16384
+    max_len: int = 2048
+    max_steps: int | None = None
+    max_minutes: float | None = None
+    checkpoint_every: int = 200
+    log_every: int = 10
+    save_dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.max_minutes is None:
+            raise ValueError("train: give max_steps or max_minutes (or both)")
+
+    def recipe(self, target: str) -> dict:
+        return {**dataclasses.asdict(self), "target": target}
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    out: Path
+    progress: Progress
+    losses: tuple[float, ...]  # weighted total per step taken in this call
+    last_step_losses: tuple[float, ...]
+    last_step_accuracy: tuple[float, ...]
+
+
+def new_head(loaded: LoadedModel, cfg: TrainConfig, device: torch.device) -> DraftHead:
+    """A freshly initialised head (PyTorch's default init, norms at 1) bound to the target, fp32."""
+    spec = new_head_spec(
+        cfg.method,
+        loaded.arch,
+        num_modules=cfg.num_modules,
+        layers_per_module=cfg.layers_per_module,
+        draft_vocab_size=cfg.draft_vocab,
+        intermediate_size=cfg.intermediate_size,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        head = DraftHead(spec, loaded.arch.hidden_size).to(device)
+    head.bind(loaded.model.model.embed_tokens, loaded.model.lm_head)
+    return head
+
+
+def train_head(
+    loaded: LoadedModel,
+    samples: Samples,
+    cfg: TrainConfig,
+    out: str | Path,
+    *,
+    resume: bool = True,
+    progress_bar: bool = True,
+    stop_after: int | None = None,
+    log=print,
+) -> TrainResult:
+    """Train a head of `cfg.method` on `samples` into the folder `out` (see the module doc).
+    `stop_after`: end this call after that many steps, as an interruption would (the schedule stays
+    the whole budget's; the next call resumes)."""
+    out = Path(out)
+    target = loaded.model
+    device = next(target.parameters()).device
+    target.requires_grad_(False)
+    recipe = cfg.recipe(loaded.location.name)
+    head = new_head(loaded, cfg, device)
+    state = load_state(out, device) if resume else None
+    draft_ids = None
+    if cfg.draft_vocab is not None and head.spec.draft_vocab_size is not None:
+        draft_ids = (
+            state["draft_ids"]
+            if state
+            else draft_vocabulary(samples, cfg.draft_vocab, loaded.arch.vocab_size)
+        )
+        head.draft_to_target = draft_ids.to(device)
+    t2d = None
+    if draft_ids is not None:
+        t2d = torch.zeros(loaded.arch.vocab_size, dtype=torch.bool, device=device)
+        t2d[draft_ids.to(device)] = True
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    done = Progress()
+    if state is not None:
+        check_resumable(state, recipe)
+        done = restore(head, optimizer, state)
+        log(f"train: resumed at step {done.step} ({done.seconds:.0f}s, {done.tokens} tokens)")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    bar = tqdm(total=cfg.max_steps, initial=done.step, desc=f"train {cfg.method}", disable=not progress_bar)
+    batches = epoch_batches(samples, cfg.tokens_per_batch, cfg.max_len, cfg.seed, done.epoch)
+    losses: list[float] = []
+    result = None
+    started = time.monotonic() - done.seconds
+    head.train()
+    stop_at = None if stop_after is None else done.step + stop_after
+    while not _finished(cfg, done) and done.step != stop_at:
+        if done.batch >= len(batches):
+            done = dataclasses.replace(done, epoch=done.epoch + 1, batch=0)
+            batches = epoch_batches(samples, cfg.tokens_per_batch, cfg.max_len, cfg.seed, done.epoch)
+            continue
+        batch = make_batch(samples, batches[done.batch], cfg.max_len, device)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * _lr_factor(cfg, done)
+        with autocast:
+            result = unrolled_loss(head, target, batch, cfg.steps, cfg.decay, t2d)
+        optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        losses.append(float(result.loss.detach()))
+        done = Progress(
+            step=done.step + 1,
+            epoch=done.epoch,
+            batch=done.batch + 1,
+            seconds=time.monotonic() - started,
+            tokens=done.tokens + batch.tokens,
+        )
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in result.step_accuracy))
+        if done.step % cfg.log_every == 0:
+            append_log(out, _record(done, result, float(grad_norm), optimizer))
+        if done.step % cfg.checkpoint_every == 0:
+            _snapshot(out, head, optimizer, done, recipe, draft_ids, loaded, cfg)
+    bar.close()
+    _snapshot(out, head, optimizer, done, recipe, draft_ids, loaded, cfg)
+    log(
+        f"train: {done.step} steps, {done.tokens} tokens, {done.seconds:.0f}s; head in {out}"
+        + (f"; last step accuracy {[round(a, 3) for a in result.step_accuracy]}" if result else "")
+    )
+    return TrainResult(
+        out,
+        done,
+        tuple(losses),
+        result.step_losses if result else (),
+        result.step_accuracy if result else (),
+    )
+
+
+def _finished(cfg: TrainConfig, done: Progress) -> bool:
+    return (cfg.max_steps is not None and done.step >= cfg.max_steps) or (
+        cfg.max_minutes is not None and done.seconds >= cfg.max_minutes * 60
+    )
+
+
+def _lr_factor(cfg: TrainConfig, done: Progress) -> float:
+    """Linear warmup, then cosine from 1 to `min_lr_ratio` over the budget's fraction spent."""
+    if done.step < cfg.warmup_steps:
+        return (done.step + 1) / cfg.warmup_steps
+    spent = 0.0
+    if cfg.max_steps is not None:
+        spent = max(spent, done.step / cfg.max_steps)
+    if cfg.max_minutes is not None:
+        spent = max(spent, done.seconds / (cfg.max_minutes * 60))
+    cosine = 0.5 * (1 + math.cos(math.pi * min(spent, 1.0)))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine
+
+
+def _record(done: Progress, result, grad_norm: float, optimizer) -> dict:
+    return {
+        **dataclasses.asdict(done),
+        "loss": float(result.loss.detach()),
+        "step_losses": result.step_losses,
+        "step_accuracy": result.step_accuracy,
+        "grad_norm": grad_norm,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def _snapshot(out, head, optimizer, done, recipe, draft_ids, loaded, cfg) -> None:
+    save_state(out, head, optimizer, done, recipe, draft_ids)
+    dtype = getattr(torch, cfg.save_dtype)
+    export_head(out, head, loaded.arch, draft_ids, dtype, recipe)

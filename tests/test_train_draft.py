@@ -1,0 +1,289 @@
+"""Draft-head training on the CPU (specserve/train/): the unrolled training forward is the drafter's own
+computation, training lowers the loss and raises the accept length over an untrained head, the
+exported folder loads back unchanged, a resumed run continues exactly, and `train-draft` runs its
+phases end to end. Targets are tiny random models; everything stays within seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+
+import pytest
+import torch
+from head_reference import reference_step_logits
+
+from specserve import LLM, SamplingParams, default_drafter
+from specserve.cli import main
+from specserve.config import SpeculativeConfig
+from specserve.model.head_checkpoint import load_head, random_head, save_head
+from specserve.model.loader import load_model
+from specserve.model.tokenizer import load_tokenizer
+from specserve.serve.config import ServeConfig
+from specserve.train.checkpoint import export_head
+from specserve.train.data import GenerationSettings, generate_responses, load_samples
+from specserve.train.dataset import Batch, epoch_batches, make_batch
+from specserve.train.evaluate import measure_acceptance
+from specserve.train.trainer import TrainConfig, new_head, train_head
+from specserve.train.unroll import target_pass, unroll
+
+from tiny_models import save_tiny_llama3
+
+VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_gguf, tmp_path_factory):
+    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
+    return load_model(str(folder), CPU, torch.float32)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 16))] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    """The target's greedy answers to 192 prompts, generated in sittings (later ones resume)."""
+    path = tmp_path_factory.mktemp("data") / "responses.npz"
+    llm = LLM(target, device="cpu", dtype="float32", max_running_requests=128)
+    prompts = _prompts(192, seed=0)
+    settings = GenerationSettings(max_new_tokens=40, in_flight=128)
+    first = generate_responses(llm, prompts, path, settings, max_samples=64, log=lambda _: None)
+    assert len(first) == 64 and len(set(first.prompt_index.tolist())) == 64
+    past = time.monotonic() - 1  # a deadline already gone: nothing more is answered, nothing is lost
+    assert len(generate_responses(llm, prompts, path, settings, deadline=past, log=lambda _: None)) == 64
+    samples = generate_responses(llm, prompts, path, settings, log=lambda _: None)
+    assert sorted(samples.prompt_index.tolist()) == list(range(192))
+    again = load_samples(path)
+    assert again.sample(3).tolist() == first.sample(3).tolist()  # kept, not regenerated
+    for i in (0, 100, 191):  # each sample is its prompt followed by the target's answer
+        prompt = prompts[int(again.prompt_index[i])]
+        assert again.sample(i)[: len(prompt)].tolist() == prompt and again.prompt_lens[i] == len(prompt)
+    return prompts, samples
+
+
+@pytest.mark.parametrize(
+    "method, shape",
+    [("eagle3", {"draft_vocab_size": 64}), ("eagle", {"layers_per_module": 2}), ("mtp", {"num_modules": 3})],
+)
+def test_unrolled_training_forward_is_what_the_drafter_computes(target, tmp_path, method, shape):
+    """Every chain step of the training forward, at every depth, equals the from-scratch statement of
+    the drafter (head_reference.py, which the engine's drafts are tested against): the same tokens,
+    hidden states, positions and visible keys."""
+    config, tensors = random_head(method, target.arch, seed=3, **shape)
+    head = load_head(save_head(tmp_path / method, config, tensors), method, target.model, CPU, torch.float32)
+    ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, torch.tensor([24, 20]), torch.tensor([4, 4]))
+    steps, k = 5, len(head.step_modules)
+    with torch.no_grad():
+        features = target_pass(target.model, batch, head.spec.aux_layers).features
+        outputs = [out for _, _, out in unroll(head, ids, features, steps)]
+    checked = 0
+    for b in range(2):
+        seq = ids[b, : int(batch.lengths[b])].tolist()
+        for n in (2, 7, 13):
+            expected = reference_step_logits(target.model, head, seq[:n], seq[n : n + steps])
+            for s, logits in enumerate(expected):
+                row = (
+                    n - 2 + min(s, k - 1)
+                )  # fresh steps move along the sequence; chain steps stay at their base
+                got = head.logits(head.module_for_step(s), outputs[s][b, row : row + 1])[0]
+                torch.testing.assert_close(got, logits, atol=2e-5, rtol=1e-4)
+                checked += 1
+    assert checked == 2 * 3 * steps
+
+
+def test_training_lowers_the_loss_and_beats_an_untrained_head(target, data, tmp_path):
+    prompts, samples = data
+    cfg = TrainConfig(
+        method="eagle3",
+        draft_vocab=64,
+        steps=4,
+        lr=3e-3,
+        warmup_steps=10,
+        tokens_per_batch=1024,
+        max_steps=150,
+        checkpoint_every=1000,
+        save_dtype="float32",
+    )
+    result = train_head(target, samples, cfg, tmp_path / "trained", progress_bar=False, log=lambda _: None)
+    first, last = result.losses[:10], result.losses[-10:]
+    assert sum(last) / 10 < 0.75 * sum(first) / 10, (first, last)
+
+    # Round trip: the exported folder, loaded as the engine loads heads, computes what training left.
+    trained = new_head(target, cfg, CPU)
+    state = torch.load(tmp_path / "trained" / "training" / "state.pt", weights_only=True)
+    trained.load_state_dict(state["head"])
+    trained.draft_to_target = state["draft_ids"]
+    loaded = load_head(tmp_path / "trained", "eagle3", target.model, CPU, torch.float32)
+    ids = torch.tensor(samples.sample(0)[:20].astype("int64"))[None]
+    batch = Batch(ids, torch.tensor([20]), torch.tensor([2]))
+    with torch.no_grad():
+        features = target_pass(target.model, batch, trained.spec.aux_layers).features
+        steps = zip(unroll(trained, ids, features, 3), unroll(loaded, ids, features, 3), strict=True)
+        for (_, _, before), (_, _, after) in steps:
+            torch.testing.assert_close(
+                loaded.logits(0, after[0]), trained.logits(0, before[0]), atol=1e-5, rtol=1e-5
+            )
+    torch.testing.assert_close(loaded.draft_to_target, state["draft_ids"])
+
+    # Untrained: the same head fresh from its initialisation, exported the same way.
+    untrained = new_head(target, cfg, CPU)
+    untrained.draft_to_target = state["draft_ids"]
+    export_head(tmp_path / "untrained", untrained, target.arch, state["draft_ids"], torch.float32, {})
+    # On prompts it was trained on (train -> export -> serve works) and on new ones (it generalises).
+    held_out = _prompts(32, seed=1)
+    lengths = {}
+    for name in ("trained", "untrained"):
+        spec = {"method": "eagle3", "num_steps": 4, "draft_model": str(tmp_path / name)}
+        llm = LLM(target, device="cpu", dtype="float32", speculative=spec)
+        seen = measure_acceptance(llm, prompts[::6], 0.0, 24).accept_length
+        lengths[name] = (seen, measure_acceptance(llm, held_out, 0.0, 24).accept_length)
+    (seen, new), (seen_before, new_before) = lengths["trained"], lengths["untrained"]
+    assert seen > seen_before + 0.4 and new > new_before + 0.2, lengths
+
+
+def test_a_resumed_run_continues_exactly(target, data, tmp_path):
+    """MTP chain (per-layer losses): 3 steps, stop, resume to 6 == 6 steps in one go, bit for bit."""
+    _, samples = data
+    shape = dict(
+        method="mtp", num_modules=2, steps=3, tokens_per_batch=512, warmup_steps=2, checkpoint_every=3
+    )
+
+    def run(folder: str, stop_after: int | None = None, **changes):
+        cfg = TrainConfig(**{**shape, "max_steps": 6, **changes})
+        out = tmp_path / folder
+        return train_head(
+            target, samples, cfg, out, progress_bar=False, stop_after=stop_after, log=lambda _: None
+        )
+
+    whole = run("a")
+    assert run("b", stop_after=3).progress.step == 3
+    resumed = run("b")
+    assert whole.progress.step == resumed.progress.step == 6 and len(resumed.losses) == 3
+    assert resumed.losses == whole.losses[3:]
+    a = torch.load(tmp_path / "a" / "training" / "state.pt", weights_only=True)["head"]
+    b = torch.load(tmp_path / "b" / "training" / "state.pt", weights_only=True)["head"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert len(whole.last_step_losses) == 3  # two MTP layers, then the last one chained once more
+    with pytest.raises(ValueError, match="resume.*num_modules"):
+        run("b", num_modules=3, max_steps=9)
+    head = load_head(tmp_path / "b", "mtp", target.model, CPU, torch.float32)
+    assert len(head.step_modules) == 2
+
+
+def test_batches_cover_each_sample_once_per_epoch_within_the_budget(data):
+    _, samples = data
+
+    def order(epoch: int) -> list[list[int]]:
+        return [b.tolist() for b in epoch_batches(samples, 512, 32, seed=1, epoch=epoch)]
+
+    batches = epoch_batches(samples, 512, 32, seed=1, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(len(samples)))
+    assert order(0) == [b.tolist() for b in batches] != order(1)
+    for indices in batches:
+        batch = make_batch(samples, indices, 32, CPU)
+        assert batch.ids.numel() <= 512 or len(indices) == 1
+        assert int(batch.lengths.max()) == batch.ids.shape[1] <= 32
+
+
+def test_train_draft_command_runs_every_phase(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "head"
+    common = ["train-draft", "--target", str(tiny_llama.location.path), "--out", str(out), "--no-progress"]
+    assert main([*common, "--phase", "prompts", "--data", "mt-bench", "--num-prompts", "12"]) == 0
+    prompts_file = out / "prompts.jsonl.gz"
+    argv = [
+        *common,
+        "--phase",
+        "data,train,eval",
+        "--data",
+        str(prompts_file),
+        "--num-prompts",
+        "6",
+        "--max-new-tokens",
+        "12",
+        "--max-steps",
+        "2",
+        "--tokens-per-batch",
+        "2048",
+        "--unroll",
+        "3",
+        "--eval-data",
+        str(prompts_file),
+        "--eval-prompts",
+        "3",
+        "--eval-max-new-tokens",
+        "8",
+        "--eval-steps",
+        "3",
+        "--eval-tree",
+        "4:8",
+    ]
+    assert main(argv) == 0
+    assert len(load_samples(out / "responses.npz")) == 6
+    config = json.loads((out / "config.json").read_text())
+    assert config["specserve"]["method"] == "eagle3" and config["torch_dtype"] == "bfloat16"
+    reports = json.loads((out / "eval.json").read_text())["reports"]
+    chain = [r for r in reports if r["speculative"].get("topk", 1) == 1]
+    assert [r["temperature"] for r in chain] == [0.0, 0.7]
+    assert all(r["accept_length"] >= 1 and len(r["per_position"]) == 3 for r in chain)
+    tree = [r for r in reports if r["speculative"].get("topk") == 4]
+    assert [r["temperature"] for r in tree] == [0.0, 0.7] and all(r["accept_length"] >= 1 for r in tree)
+    assert main([*common, "--phase", "data", "--shard", "2/2"]) == 2
+    assert "--shard" in capsys.readouterr().err
+
+
+def test_default_speculative_is_the_shipped_head_when_present(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(default_drafter, "HEADS_DIR", tmp_path)
+    name = "smollm2-135m-instruct"
+    assert default_drafter.default_speculative(name) == default_drafter.NGRAM_DEFAULT
+    config, tensors = random_head("eagle3", target.arch, seed=1)  # a head that fits the tiny target
+    save_head(tmp_path / name, config, tensors)
+    spec = {"method": "eagle3", "num_steps": 5, "draft_model": str(tmp_path / name)}
+    assert default_drafter.default_speculative("smollm2") == spec  # aliases too
+    as_default = dataclasses.replace(target, location=dataclasses.replace(target.location, name=name))
+    llm = LLM(as_default, device="cpu", dtype="float32", speculative="default")
+    assert llm.engine.config.speculative == SpeculativeConfig(**spec)
+    assert type(llm.engine.drafter).__name__ == "HeadDrafter"
+    assert ServeConfig().engine_config().speculative == SpeculativeConfig(**spec)
+    assert ServeConfig(model=str(target.location.path)).engine_config().speculative.method == "ngram"
+    assert default_drafter.default_speculative(str(tmp_path / name)) == default_drafter.NGRAM_DEFAULT
+
+
+@pytest.mark.gpu
+def test_training_on_the_gpu_in_bf16(target, data, tmp_path):
+    """The CUDA path: a bf16 target, autocast, fused SDPA, checkpointed losses; the head then drafts
+    in a CUDA engine."""
+    _, samples = data
+    cuda = torch.device("cuda")
+    on_gpu = load_model(str(target.location.path), cuda, torch.bfloat16)
+    cfg = TrainConfig(method="eagle3", steps=4, lr=3e-3, warmup_steps=5, tokens_per_batch=4096, max_steps=60)
+    result = train_head(on_gpu, samples, cfg, tmp_path / "head", progress_bar=False, log=lambda _: None)
+    assert sum(result.losses[-5:]) < 0.75 * sum(result.losses[:5])
+    spec = {"method": "eagle3", "num_steps": 4, "draft_model": str(tmp_path / "head")}
+    llm = LLM(on_gpu, speculative=spec)
+    assert measure_acceptance(llm, _prompts(16, seed=1), 0.0, 16).accept_length > 1.0
+
+
+SHIPPED = sorted(p.name for p in default_drafter.HEADS_DIR.glob("*") if default_drafter.shipped_head(p.name))
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no trained head is shipped in specserve/heads/ yet")
+@pytest.mark.parametrize("model", SHIPPED)
+def test_a_shipped_head_fits_its_model_and_drafts_well(model, mtbench_questions):
+    """What `speculative="default"` loads: at most 12 MB, lossless, and accepted often on MT-Bench."""
+    folder = default_drafter.shipped_head(model)
+    assert (folder / "model.safetensors").stat().st_size <= 12 * 10**6
+    params = SamplingParams(max_new_tokens=48, temperature=0.0)
+    plain = LLM(model, device="cpu", dtype="float32")
+    drafted = LLM(plain.engine.loaded, device="cpu", dtype="float32", speculative="default")
+    assert drafted.engine.config.speculative.draft_model == str(folder)
+    chats = [[{"role": "user", "content": q}] for q in mtbench_questions[:3]]
+    outs = drafted.chat(chats, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.chat(chats, params)]
+    verifies = sum(o.meta["spec_verify_ct"] for o in outs)
+    assert sum(len(o.token_ids) for o in outs) / verifies > 1.5
