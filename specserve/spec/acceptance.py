@@ -65,11 +65,18 @@ class AcceptanceTracker:
 
     def rates(self, request_id: str, topk: int) -> list[float]:
         """Per-position conditional acceptance for `request_id`: its own evidence over the pool's rates."""
+        return self.rates_of([request_id], topk)[request_id]
+
+    def rates_of(self, request_ids: Sequence[str], topk: int) -> dict[str, list[float]]:
+        """`rates` of several requests, the pool's rates computed once."""
         pooled = self.pooled(topk)
-        own = self._requests.get((request_id, topk))
-        if own is None:
-            return pooled
-        return [own.rate(i, pooled[i], self.strength) for i in range(self.max_positions)]
+        out = {}
+        for request_id in request_ids:
+            own = self._requests.get((request_id, topk))
+            out[request_id] = (
+                pooled if own is None else [own.rate(i, p, self.strength) for i, p in enumerate(pooled)]
+            )
+        return out
 
     def forget(self, request_id: str) -> None:
         """A finished request's own estimates (the pooled ones keep what it taught them)."""
@@ -82,11 +89,7 @@ class AcceptanceTracker:
 
     def reach(self, request_id: str, topk: int) -> list[float]:
         """[j]: the probability that draft j + 1 is accepted (every draft before it too)."""
-        out, survive = [], 1.0
-        for rate in self.rates(request_id, topk):
-            survive *= rate
-            out.append(survive)
-        return out
+        return reach(self.rates(request_id, topk))
 
     def _pool(self, topk: int) -> _Counts:
         if topk not in self._pooled:
@@ -119,3 +122,11 @@ def expected_tokens(rates: Sequence[float], steps: int) -> float:
         survive *= rate
         total += survive
     return total
+
+
+def reach(rates: Sequence[float]) -> list[float]:
+    out, survive = [], 1.0
+    for rate in rates:
+        survive *= rate
+        out.append(survive)
+    return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.spec.acceptance import AcceptanceTracker, expected_tokens
+from specserve.spec.acceptance import AcceptanceTracker, expected_tokens, reach
 from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
 
 
@@ -91,11 +91,23 @@ class AdaptivePolicy:
 
     def goodput(self, tier: Tier, request_ids: Sequence[str]) -> float:
         """Predicted tokens per second of one step of `tier` over these requests."""
-        batch = len(request_ids)
-        if batch == 0:
+        return self._goodput(tier, self._rates(request_ids))
+
+    def _rates(self, request_ids: Sequence[str]) -> dict[int, dict[str, list[float]]]:
+        """Each request's rates at every topk a tier uses, read once per decision."""
+        topks = {t.topk for t in self.tiers if not t.off}
+        rates = {k: self.acceptance.rates_of(request_ids, k) for k in topks}
+        return rates or {1: dict.fromkeys(request_ids, [])}
+
+    def _goodput(self, tier: Tier, rates: dict[int, dict[str, list[float]]]) -> float:
+        by_request = next(iter(rates.values())) if tier.off else rates[tier.topk]
+        if not by_request:
             return 0.0
-        tokens = sum(self._expected(tier, r) for r in request_ids)
-        return tokens / self.step_seconds(tier, batch)
+        if tier.off:
+            tokens = float(len(by_request))
+        else:
+            tokens = sum(expected_tokens(r, self._steps_for(tier, r)) for r in by_request.values())
+        return tokens / self.step_seconds(tier, len(by_request))
 
     def step_seconds(self, tier: Tier, batch: int) -> float:
         seconds = self.costs.estimate(VERIFY, batch, tier.query_len)
@@ -105,11 +117,13 @@ class AdaptivePolicy:
 
     def decide(self, request_ids: Sequence[str]) -> Decision:
         """The tier for this step's decoding requests, and each one's draft steps."""
-        scores = {tier: self.goodput(tier, request_ids) for tier in self.tiers}
+        rates = self._rates(request_ids)
+        scores = {tier: self._goodput(tier, rates) for tier in self.tiers}
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
         switched = self._update(best, scores)
         tier = self._probe(scores) or self.current
-        steps = {r: self._steps_for(tier, r) for r in request_ids}
+        own = rates.get(tier.topk, {})
+        steps = {r: 0 if tier.off else self._steps_for(tier, own[r]) for r in request_ids}
         return Decision(tier, steps, scores[tier], switched)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
@@ -146,17 +160,9 @@ class AdaptivePolicy:
         self.switches += 1
         return True
 
-    def _expected(self, tier: Tier, request_id: str) -> float:
-        if tier.off:
-            return 1.0
-        steps = self._steps_for(tier, request_id)
-        return expected_tokens(self.acceptance.rates(request_id, tier.topk), steps)
-
-    def _steps_for(self, tier: Tier, request_id: str) -> int:
-        if tier.off:
-            return 0
-        reach = self.acceptance.reach(request_id, tier.topk)[: tier.num_steps]
-        steps = sum(1 for p in reach if p >= self.min_reach)
+    def _steps_for(self, tier: Tier, rates: Sequence[float]) -> int:
+        """A request's draft steps in `tier`: those it reaches with odds of at least `min_reach`."""
+        steps = sum(1 for p in reach(rates[: tier.num_steps]) if p >= self.min_reach)
         return max(1, steps)  # one draft always: without it the request could never show better odds
 
 
