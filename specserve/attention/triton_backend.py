@@ -21,6 +21,7 @@ device tensors).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from specserve.model.layers import RotaryEmbedding
 
 # Steps up to this many tokens run the fused matmuls (the decode / verify graph buckets at small batch).
-FUSED_LINEAR_TOKENS = 64
+# SPECSERVE_FUSED_LINEAR_TOKENS overrides it (0: never), so a GPU run can time both paths in one copy.
+FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "64"))
 
 
 class TritonAttentionContext(AttentionContext):
