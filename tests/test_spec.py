@@ -204,6 +204,27 @@ def test_rejection_sampling_emits_the_target_distribution(row):
     assert_follows([c[0] for c in chains], expected)
 
 
+def test_all_greedy_chains_take_the_shortcut_to_the_same_tokens():
+    """An all-greedy batch skips the rejection rule's probabilities and noise; its chains must emit
+    what the rule emits for the same greedy rows beside a sampling one (which forces the rule)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, lengths = 16, [3, 0, 5, 1, 4]
+    logits = torch.randn(sum(lengths) + len(lengths) + 2, vocab, generator=gen)
+    best = logits.argmax(-1).tolist()
+    drafts, row = [], 0
+    for n in lengths:  # drafts matching the argmax for a random prefix, then wrong
+        keep = int(torch.randint(0, n + 1, (1,), generator=gen))
+        drafts.append([best[row + j] if j < keep else (best[row + j] + 1) % vocab for j in range(n)])
+        row += n + 1
+    greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+    sampled = SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1, counter=0)
+    rows = [greedy] * row
+    shortcut = verify_chains(logits[:row], rows, drafts)
+    ruled = verify_chains(logits, [*rows, sampled, sampled], [*drafts, [3]])
+    assert shortcut == ruled[: len(drafts)]
+    assert [len(c) for c in shortcut] != [n + 1 for n in lengths]  # some drafts were rejected
+
+
 def _row(row: SamplingRow, seed: int, counter: int) -> SamplingRow:
     return SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, seed, counter)
 
