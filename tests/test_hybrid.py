@@ -1,0 +1,299 @@
+"""Hybrid (Bamba: Mamba-2 + attention) targets: logits against transformers, lossless greedy
+speculation with chains and trees (recurrent states per draft token, the last accepted one committed),
+logprobs, retract and abort under a tiny pool, the refusals (`docs/hybrid-models.md`).
+
+The target is a small-vocabulary random Bamba. Real drafters (n-gram, a random Llama as standalone
+drafter) rarely get long drafts accepted on it, so an oracle drafter (test-only) proposes the target's
+own greedy continuation, wrong at seeded random places, as chains and as trees whose true path hides
+among decoys: drafts are accepted to every depth and at every tree row, and every later token reads
+the state the commit left. The state-pool accounting is checked after every test (conftest's KV
+check) and, in the runs below, after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.config import EngineConfig
+from specserve.engine.engine import Engine
+from specserve.engine.state_pool import StatePool
+from specserve.engine.stats import SpecSettings
+from specserve.model.bamba import BambaForCausalLM
+from specserve.model.loader import load_model
+from specserve.model.parallel import TPInfo
+from specserve.model.tokenizer import load_tokenizer
+from specserve.spec.drafter import Drafter
+from specserve.spec.tree import build_tree
+
+from engine_utils import assert_logprobs_equal, hf_greedy, last_logits, max_rel_error, motif_prompts
+from tiny_models import save_tiny_bamba, save_tiny_llama3
+
+VOCAB = 96
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folders(smollm2_gguf, tmp_path_factory):
+    tokenizer = load_tokenizer(smollm2_gguf)
+    root = tmp_path_factory.mktemp("hybrid")
+    return {
+        "target": save_tiny_bamba(root / "bamba", tokenizer, VOCAB),
+        "draft": save_tiny_llama3(root / "llama", tokenizer, VOCAB),
+    }
+
+
+@pytest.fixture(scope="module")
+def target(folders):
+    return load_model(str(folders["target"]), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return motif_prompts(6, VOCAB, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    """Plain greedy outputs (overlap scheduling, the default without speculation), by prompt."""
+    outs = LLM(target, device="cpu", dtype="float32").generate(prompts, GREEDY)
+    return {tuple(p): o.token_ids for p, o in zip(prompts, outs, strict=True)}
+
+
+def test_the_bamba_layout_is_read(target):
+    arch = target.arch
+    assert arch.is_hybrid and arch.attention_layers == (1, 3) and arch.mamba_layers == (0, 2)
+    assert arch.kv_layers == 2 and arch.rotary_dim == arch.head_dim // 2
+    m = arch.mamba
+    assert (m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel) == (8, 16, 2, 16, 4)
+    assert m.conv_dim == 8 * 16 + 2 * 2 * 16 and m.chunk_size == 8
+    assert isinstance(target.model, BambaForCausalLM)
+    per_slot = 2 * (4 * 8 * 16 * 16 + 4 * 3 * m.conv_dim)
+    assert StatePool.bytes_per_slot(arch, torch.float32) == per_slot
+
+
+def test_logits_and_greedy_match_transformers(folders, target, prompts):
+    """fp32 on the CPU: last logits of a batch (ragged, prompts spanning several scan blocks), every
+    prompt position through chunked prefill (the state carried across steps), and greedy decoding
+    (HF's recurrent decode path) against transformers' Bamba."""
+    hf = AutoModelForCausalLM.from_pretrained(folders["target"], dtype=torch.float32).eval()
+    llm = LLM(target, device="cpu", dtype="float32", max_batched_tokens=7)
+    batch = prompts[:4]
+    ours = last_logits(llm.engine, batch)
+    with torch.no_grad():
+        theirs = torch.stack([hf(torch.tensor([p])).logits[0, -1].float() for p in batch])
+    assert max_rel_error(ours, theirs) < 1e-4
+    prompt = max(prompts, key=len)
+    scored = llm.generate(
+        [prompt], SamplingParams(max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+    )
+    mine = torch.tensor([e[0] for e in scored[0].meta["input_token_logprobs"][1:]])
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    expected = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert (mine - expected).abs().max() < 1e-4
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for p in prompts[:2]:
+        assert llm.generate([p], greedy)[0].token_ids == hf_greedy(hf, p, 12)
+
+
+SPECS = {
+    "ngram-chain": {"method": "ngram", "num_steps": 3},
+    "ngram-tree": {"method": "ngram", "num_steps": 4, "topk": 2, "num_draft_tokens": 8},
+    "standalone-chain": {"method": "standalone", "num_steps": 3},
+    "standalone-tree": {"method": "standalone", "num_steps": 3, "topk": 2, "num_draft_tokens": 6},
+}
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_real_drafters_are_lossless(target, folders, prompts, reference, name, page_size, batch):
+    spec = dict(SPECS[name])
+    if spec["method"] == "standalone":
+        spec["draft_model"] = str(folders["draft"])
+    llm = LLM(target, device="cpu", dtype="float32", page_size=page_size, speculative=spec)
+    outs = llm.generate(prompts[:batch], GREEDY)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in prompts[:batch]]
+    assert all(o.meta["spec_verify_ct"] > 0 for o in outs)
+
+
+class OracleDrafter(Drafter):
+    """Proposes each request's reference continuation, each token wrong with probability `wrong`; a
+    tree puts the (possibly wrong) true token beside a decoy at every depth, in random order, and
+    grows a decoy's own child now and then (test-only)."""
+
+    def __init__(self, reference: dict[tuple, list[int]], wrong: float, seed: int) -> None:
+        self.reference, self.wrong, self.rng = reference, wrong, random.Random(seed)
+
+    def _truth(self, req, count: int) -> list[int]:
+        ahead = self.reference[tuple(req.prompt_ids)][req.num_output : req.num_output + count]
+        return [self._spoil(t) if self.rng.random() < self.wrong else t for t in ahead]
+
+    def _spoil(self, token: int) -> int:
+        return (token + self.rng.randrange(1, VOCAB - 3)) % VOCAB
+
+    def draft(self, reqs, budgets) -> None:
+        for req, budget in zip(reqs, budgets, strict=True):
+            req.draft, req.draft_probs = self._truth(req, budget), None
+
+    def draft_tree(self, reqs, depths, topk, num_nodes) -> None:
+        for req, depth in zip(reqs, depths, strict=True):
+            tokens, parents, cands = [], [], [[]]
+            main = 0  # the row continuing the true path
+            for token in self._truth(req, depth):
+                if len(tokens) + 2 > num_nodes:
+                    break
+                pair = [(self._spoil(token), "decoy"), (token, "true")]
+                self.rng.shuffle(pair)
+                rows = {}
+                for tok, kind in pair:
+                    tokens.append(tok)
+                    parents.append(main)
+                    cands.append([])
+                    rows[kind] = len(tokens)
+                    cands[main].append((tok, len(tokens)))
+                if len(tokens) < num_nodes and self.rng.random() < 0.5:  # a branch off the path
+                    decoy = rows["decoy"]
+                    tokens.append(self._spoil(token))
+                    parents.append(decoy)
+                    cands.append([])
+                    cands[decoy].append((tokens[-1], len(tokens)))
+                main = rows["true"]
+            tree = build_tree(tokens, parents, cands, max(topk, 2)) if tokens else None
+            req.draft, req.draft_tree, req.draft_probs = list(tokens), tree, None
+
+
+def oracle_run(target, reference, prompts, settings: SpecSettings, page_size: int, seed: int, params=GREEDY):
+    """Outputs of `prompts` under the oracle drafter (accounting checked after every step)."""
+    spec = {"method": "ngram", "num_steps": settings.num_steps, "topk": settings.topk}
+    if settings.topk > 1:
+        spec["num_draft_tokens"] = settings.num_draft_tokens
+    llm = LLM(target, device="cpu", dtype="float32", page_size=page_size, speculative=spec)
+    engine = llm.engine
+    engine.drafter = OracleDrafter(reference, wrong=0.2, seed=seed)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_kv_accounting()
+    return llm, [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    "settings", [SpecSettings(4, 1, 4), SpecSettings(5, 2, 12), SpecSettings(3, 3, 9)], ids=str
+)
+def test_oracle_drafts_are_lossless(target, prompts, reference, settings, page_size):
+    _, outs = oracle_run(target, reference, prompts, settings, page_size, seed=page_size)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in prompts]
+    histogram = [
+        sum(h) for h in zip(*(o.meta["spec_accept_histogram"] + [0] * 8 for o in outs), strict=False)
+    ]
+    # Drafts were accepted to every depth, and rejected at the first token too.
+    assert histogram[0] > 0 and all(histogram[d] > 0 for d in range(1, settings.num_steps + 1))
+
+
+def test_logprobs_equal_prefill_scoring(target, prompts, reference):
+    """Invariant 3: token, top-k and chosen-id logprobs read during tree speculation equal scoring
+    the same sequence with a prefill-only request."""
+    asked = dict(return_logprob=True, top_logprobs_num=3, token_ids_logprob=[1, 5, 50])
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, **asked)
+    prompt = prompts[3]
+    _, (out,) = oracle_run(target, reference, [prompt], SpecSettings(4, 2, 10), 4, seed=3, params=params)
+    assert out.meta["spec_accepted_tokens"] > 4
+    plain = LLM(target, device="cpu", dtype="float32")
+    scored = plain.generate(
+        [prompt + out.token_ids], SamplingParams(max_new_tokens=0, logprob_start_len=len(prompt), **asked)
+    )[0].meta
+    assert_logprobs_equal(out.meta, scored)
+
+
+def test_retract_and_abort_under_a_tiny_pool(target, prompts, reference):
+    """A pool too small for every request at once: requests are retracted (state slot freed with
+    the pages, recomputed from a zero state) and one is aborted mid-way; the rest match plain decoding."""
+    spec = {"method": "ngram", "num_steps": 4, "topk": 2, "num_draft_tokens": 8}
+    llm = LLM(target, device="cpu", dtype="float32", page_size=2, max_total_tokens=120, speculative=spec)
+    engine = llm.engine
+    engine.drafter = OracleDrafter(reference, wrong=0.2, seed=5)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done, aborted = {}, ids[2]
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        steps += 1
+        if steps == 6:
+            assert engine.abort(aborted)
+        engine.check_kv_accounting()
+        assert engine.states.num_free == engine.states.capacity - len(engine.scheduler.running)
+    assert engine.scheduler.num_retracted > 0
+    assert done[aborted].finish_reason == "abort"
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        if request_id != aborted:
+            assert done[request_id].token_ids == reference[tuple(prompt)]
+
+
+def test_sampled_speculation_is_reproducible(target, prompts, reference):
+    """Sampling with tree drafts: a request's tokens do not depend on its batch."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    spec = {"method": "ngram", "num_steps": 3, "topk": 2, "num_draft_tokens": 6}
+    llm = LLM(target, device="cpu", dtype="float32", speculative=spec)
+    alone = llm.generate([prompts[0]], params)[0]
+    together = llm.generate(prompts[:3], [params, GREEDY, params])
+    assert alone.token_ids == together[0].token_ids
+    assert together[1].token_ids == reference[tuple(prompts[1])]
+
+
+def test_the_triton_commit_inside_the_engine(target, prompts, reference, monkeypatch):
+    """The engine's kernels (state_commit, verify_tree, kv_move, ...) under the interpreter."""
+    monkeypatch.setenv("SPECSERVE_TRITON_CPU", "1")
+    _, outs = oracle_run(target, reference, prompts[:2], SpecSettings(3, 2, 6), 4, seed=9)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in prompts[:2]]
+    assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
+
+
+def test_what_hybrid_models_refuse(target, folders):
+    """Each refusal names its setting; the defaults work (prefix caching and CUDA graphs off)."""
+    engine = LLM(target, device="cpu", dtype="float32").engine
+    assert engine.kv.prefix_cache is None and engine.config.cuda_graphs is False
+    assert engine.config.cache.enable_prefix_cache is False
+    refused = {
+        "enable_prefix_cache": dict(enable_prefix_cache=True),
+        "cuda_graphs": dict(cuda_graphs=True),
+        "speculative.method": dict(speculative={"method": "eagle", "draft_model": str(folders["draft"])}),
+        "speculative.draft_model": dict(
+            speculative={"method": "standalone", "draft_model": str(folders["target"])}
+        ),
+    }
+    for name, kwargs in refused.items():
+        with pytest.raises(ValueError, match=name):
+            LLM(target, device="cpu", dtype="float32", **kwargs)
+    with pytest.raises(ValueError, match="tp_size"):
+        EngineConfig(model=str(folders["target"]), tp_size=2).for_model(hybrid=True)
+    with pytest.raises(ValueError, match="tp_size"):
+        BambaForCausalLM(target.arch, TPInfo(rank=0, size=2, group=None))
+    # A plain model keeps its prefix cache by default.
+    assert EngineConfig().for_model(hybrid=False).cache.enable_prefix_cache is True
+    assert isinstance(engine, Engine)
+
+
+@pytest.mark.gpu
+def test_hybrid_speculation_on_the_gpu(folders, prompts):
+    """bf16 on CUDA (Triton attention and commit kernels): tree and chain speculation against plain
+    decoding; near-ties may flip in bf16, so the match rate is reported and must stay high."""
+    loaded = load_model(str(folders["target"]), torch.device("cuda"), torch.bfloat16)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(loaded).generate(prompts, params)]
+    for spec in (SPECS["ngram-chain"], SPECS["ngram-tree"]):
+        outs = LLM(loaded, speculative=spec).generate(prompts, params)
+        same = sum(o.token_ids == p for o, p in zip(outs, plain, strict=True))
+        print(f"{spec}: {same}/{len(prompts)} outputs identical to plain bf16 decoding")
+        assert same >= len(prompts) - 1
