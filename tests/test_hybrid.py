@@ -21,8 +21,12 @@ from transformers import AutoModelForCausalLM
 from specserve import LLM, SamplingParams
 from specserve.config import EngineConfig
 from specserve.engine.engine import Engine
+from specserve.engine.recurrent_batch import build_recurrent_batch
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.state_pool import StatePool
 from specserve.engine.stats import SpecSettings
+from specserve.engine.step_input import item_forest
 from specserve.model.bamba import BambaForCausalLM
 from specserve.model.loader import load_model
 from specserve.model.parallel import TPInfo
@@ -35,6 +39,16 @@ from tiny_models import save_tiny_bamba, save_tiny_llama3
 
 VOCAB = 96
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine their spinning
+    made this module ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +182,14 @@ class OracleDrafter(Drafter):
             req.draft, req.draft_tree, req.draft_probs = list(tokens), tree, None
 
 
-def oracle_run(target, reference, prompts, settings: SpecSettings, page_size: int, seed: int, params=GREEDY):
+def oracle_run(
+    target, reference, prompts, settings: SpecSettings, page_size: int, seed: int, params=GREEDY, **kwargs
+):
     """Outputs of `prompts` under the oracle drafter (accounting checked after every step)."""
     spec = {"method": "ngram", "num_steps": settings.num_steps, "topk": settings.topk}
     if settings.topk > 1:
         spec["num_draft_tokens"] = settings.num_draft_tokens
-    llm = LLM(target, device="cpu", dtype="float32", page_size=page_size, speculative=spec)
+    llm = LLM(target, device="cpu", dtype="float32", page_size=page_size, speculative=spec, **kwargs)
     engine = llm.engine
     engine.drafter = OracleDrafter(reference, wrong=0.2, seed=seed)
     ids = [engine.add_request(p, params) for p in prompts]
@@ -253,9 +269,11 @@ def test_sampled_speculation_is_reproducible(target, prompts, reference):
 
 
 def test_the_triton_commit_inside_the_engine(target, prompts, reference, monkeypatch):
-    """The engine's kernels (state_commit, verify_tree, kv_move, ...) under the interpreter."""
+    """The engine's kernels under the interpreter: state_commit, verify_tree, kv_move, and the Triton
+    attention backend (its plain KV write: Bamba's partial RoPE is applied before it)."""
     monkeypatch.setenv("SPECSERVE_TRITON_CPU", "1")
-    _, outs = oracle_run(target, reference, prompts[:2], SpecSettings(3, 2, 6), 4, seed=9)
+    settings = SpecSettings(3, 2, 6)
+    _, outs = oracle_run(target, reference, prompts[:2], settings, 4, seed=9, attention_backend="triton")
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in prompts[:2]]
     assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
 
@@ -297,3 +315,84 @@ def test_hybrid_speculation_on_the_gpu(folders, prompts):
         same = sum(o.token_ids == p for o, p in zip(outs, plain, strict=True))
         print(f"{spec}: {same}/{len(prompts)} outputs identical to plain bf16 decoding")
         assert same >= len(prompts) - 1
+
+
+def test_the_mixer_equals_its_recurrence_token_by_token(target):
+    """One Mamba-2 layer over a mixed step (a fresh prefill longer than a scan block, a continued
+    prefill chunk, a verified chain, a verified tree) against the recurrence run row by row along
+    each row's parent path: outputs, end states written to live slots, and every tracked row's snapshot."""
+    arch, mixer = target.arch, target.model.model.layers[0].mamba
+    m, k = arch.mamba, arch.mamba.conv_kernel
+    gen = torch.Generator().manual_seed(0)
+    pool = StatePool(arch, 5, torch.float32, torch.device("cpu"))
+    pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=gen) * 0.3)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=gen))
+    tree = build_tree([7, 8, 9, 10, 11, 12], [0, 0, 1, 1, 3, 2], [[]] * 7, 2)
+    shapes = [  # (slot, start, known tokens, draft, tree)
+        (0, 0, 19, (), None),
+        (1, 5, 6, (), None),
+        (2, 10, 1, (4, 5, 6), None),
+        (3, 7, 1, tree.tokens, tree),
+    ]
+    items = []
+    for slot, start, known, draft, draft_tree in shapes:
+        req = Request(f"r{slot}", [3] * (start + known), SamplingParams(), seed=0)
+        req.state_slot, req.draft_tree = slot, draft_tree
+        items.append(ScheduledItem(req, start, known + len(draft), True, tuple(draft)))
+    batch = build_recurrent_batch(items, k, m.chunk_size, torch.device("cpu"))
+    assert len(batch.groups) == 2 and batch.num_snapshots == 4 + 7
+    hidden = torch.randn(sum(it.num_tokens for it in items), arch.hidden_size, generator=gen)
+    live_ssm, live_conv = pool.ssm[0].clone(), pool.conv[0].clone()
+    with torch.no_grad():
+        out = mixer(hidden, pool.context(batch))
+        expected, offset = [], 0
+        for item in items:
+            parents = item_forest(item)
+            parents = list(range(-1, item.num_tokens - 1)) if parents is None else parents.tolist()
+            fresh = item.start == 0
+            slot = item.request.state_slot
+            start_state = torch.zeros_like(live_ssm[slot]) if fresh else live_ssm[slot]
+            start_window = list(torch.zeros_like(live_conv[slot]) if fresh else live_conv[slot])
+            rows = _recurrence(
+                mixer, hidden[offset : offset + item.num_tokens], parents, start_state, start_window
+            )
+            expected += [y for y, _, _ in rows]
+            if item.draft:
+                first = next(f for i, f, _ in batch.tracked if items[i] is item)
+                for r in range(item.num_known - 1, item.num_tokens):
+                    snap = first + r - (item.num_known - 1)
+                    torch.testing.assert_close(pool._snapshots[0][0, snap], rows[r][1], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(pool._snapshots[1][0, snap], rows[r][2], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(pool.ssm[0, slot], live_ssm[slot])  # untouched until commit
+            else:
+                torch.testing.assert_close(pool.ssm[0, slot], rows[-1][1], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(pool.conv[0, slot], rows[-1][2], atol=1e-5, rtol=1e-5)
+            offset += item.num_tokens
+    torch.testing.assert_close(out, torch.stack(expected), atol=1e-4, rtol=1e-4)
+
+
+def _recurrence(mixer, hidden, parents, state, window):
+    """Row by row: (output, state after, convolution window after) of each row along its path."""
+    m = mixer.shape
+    z, xbc, dt = mixer.in_proj(hidden).split([m.inner_size, m.conv_dim, m.num_heads], dim=-1)
+    a = -torch.exp(mixer.A_log)
+    weight, bias = mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias
+    rows = []
+    for r, parent in enumerate(parents):
+        prev_state, prev_window = (state, window) if parent < 0 else rows[parent][1:]
+        inputs = [*list(prev_window), xbc[r]]  # oldest first, K entries
+        conv = torch.nn.functional.silu(sum(weight[:, j] * inputs[j] for j in range(len(inputs))) + bias)
+        x, b, c = conv.split([m.inner_size, m.num_groups * m.state_size, m.num_groups * m.state_size])
+        x = x.view(m.num_heads, m.head_dim)
+        per_group = m.num_heads // m.num_groups
+        b = b.view(m.num_groups, m.state_size).repeat_interleave(per_group, 0)
+        c = c.view(m.num_groups, m.state_size).repeat_interleave(per_group, 0)
+        step = torch.nn.functional.softplus(dt[r] + mixer.dt_bias)
+        new_state = (
+            torch.exp(step * a)[:, None, None] * prev_state
+            + step[:, None, None] * x[:, :, None] * b[:, None, :]
+        )
+        y = (new_state * c[:, None, :]).sum(-1) + mixer.D[:, None] * x
+        out = mixer.out_proj(mixer.norm(y.reshape(1, -1), z[r : r + 1]))[0]
+        rows.append((out, new_state, torch.stack(inputs[1:])))
+    return rows
