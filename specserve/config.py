@@ -69,8 +69,6 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "standalone", "eagle", "eagle3", "mtp")
-# Drafters a hybrid target works with (the heads bind to a Llama target's layers).
-HYBRID_SPEC_METHODS = ("ngram", "standalone")
 MAX_TOPK = 16
 MAX_DRAFT_TOKENS = 256
 
@@ -266,11 +264,6 @@ class EngineConfig:
         _require(cache.enable_prefix_cache is not True, "enable_prefix_cache", f"{reason}; leave it null")
         _require(self.cuda_graphs is not True, "cuda_graphs", f"{reason}; leave it null")
         _require(self.tp_size == 1, "tp_size", f"above 1 {reason}")
-        _require(
-            self.speculative is None or self.speculative.method in HYBRID_SPEC_METHODS,
-            "speculative.method",
-            f"must be one of {list(HYBRID_SPEC_METHODS)} for a hybrid (Mamba-2) target",
-        )
         return replace(self, cuda_graphs=False, cache=replace(cache, enable_prefix_cache=False))
 
     def torch_device(self) -> torch.device:

@@ -28,6 +28,7 @@ from specserve.engine.state_pool import StatePool
 from specserve.engine.stats import SpecSettings
 from specserve.engine.step_input import item_forest
 from specserve.model.bamba import BambaForCausalLM
+from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.parallel import TPInfo
 from specserve.model.tokenizer import load_tokenizer
@@ -64,6 +65,15 @@ def folders(smollm2_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def target(folders):
     return load_model(str(folders["target"]), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def drafts(folders, target, tmp_path_factory):
+    """Draft model folders by method: a random Llama (standalone) and random heads over the target."""
+    root = tmp_path_factory.mktemp("heads")
+    shapes = {"eagle": {}, "eagle3": {"draft_vocab_size": 48}, "mtp": {"num_modules": 2}}
+    heads = {m: save_head(root / m, *random_head(m, target.arch, seed=9, **kw)) for m, kw in shapes.items()}
+    return {"ngram": None, "standalone": folders["draft"], **heads}
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +130,20 @@ SPECS = {
     "ngram-tree": {"method": "ngram", "num_steps": 4, "topk": 2, "num_draft_tokens": 8},
     "standalone-chain": {"method": "standalone", "num_steps": 3},
     "standalone-tree": {"method": "standalone", "num_steps": 3, "topk": 2, "num_draft_tokens": 6},
+    "eagle-chain": {"method": "eagle", "num_steps": 3},
+    "eagle3-tree": {"method": "eagle3", "num_steps": 3, "topk": 2, "num_draft_tokens": 6},
+    "mtp-chain": {"method": "mtp", "num_steps": 2},
+    "mtp-tree": {"method": "mtp", "num_steps": 2, "topk": 3, "num_draft_tokens": 6},
 }
 
 
 @pytest.mark.parametrize("batch", [1, 6])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_real_drafters_are_lossless(target, folders, prompts, reference, name, page_size, batch):
+def test_real_drafters_are_lossless(target, drafts, prompts, reference, name, page_size, batch):
     spec = dict(SPECS[name])
-    if spec["method"] == "standalone":
-        spec["draft_model"] = str(folders["draft"])
+    if drafts[spec["method"]] is not None:
+        spec["draft_model"] = str(drafts[spec["method"]])
     llm = LLM(target, device="cpu", dtype="float32", page_size=page_size, speculative=spec)
     outs = llm.generate(prompts[:batch], GREEDY)
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in prompts[:batch]]
@@ -286,7 +300,6 @@ def test_what_hybrid_models_refuse(target, folders):
     refused = {
         "enable_prefix_cache": dict(enable_prefix_cache=True),
         "cuda_graphs": dict(cuda_graphs=True),
-        "speculative.method": dict(speculative={"method": "eagle", "draft_model": str(folders["draft"])}),
         "speculative.draft_model": dict(
             speculative={"method": "standalone", "draft_model": str(folders["target"])}
         ),
