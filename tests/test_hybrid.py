@@ -357,7 +357,8 @@ def test_the_mixer_equals_its_recurrence_token_by_token(target):
     hidden = torch.randn(sum(it.num_tokens for it in items), arch.hidden_size, generator=gen)
     live_ssm, live_conv = pool.ssm[0].clone(), pool.conv[0].clone()
     with torch.no_grad():
-        out = mixer(hidden, pool.context(batch))
+        context = pool.context(batch)
+        out = mixer(hidden, context)
         expected, offset = [], 0
         for item in items:
             parents = item_forest(item)
@@ -374,8 +375,8 @@ def test_the_mixer_equals_its_recurrence_token_by_token(target):
                 first = next(f for i, f, _ in batch.tracked if items[i] is item)
                 for r in range(item.num_known - 1, item.num_tokens):
                     snap = first + r - (item.num_known - 1)
-                    torch.testing.assert_close(pool._snapshots[0][0, snap], rows[r][1], atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(pool._snapshots[1][0, snap], rows[r][2], atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(context.snap_ssm[0, snap], rows[r][1], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(context.snap_conv[0, snap], rows[r][2], atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(pool.ssm[0, slot], live_ssm[slot])  # untouched until commit
             else:
                 torch.testing.assert_close(pool.ssm[0, slot], rows[-1][1], atol=1e-4, rtol=1e-4)

@@ -2,7 +2,7 @@
 items (the attention layers read `AttentionBatch` as always).
 
 The layers work on padded [B, Q] grids (`RecurrentGroup`): request b's tokens are rows 0..n_b - 1;
-items of at most one scan block share a grid, each longer prefill chunk has its own. Every row has a
+decodes and verifies share a grid, each prefill chunk has its own (no decode is padded to a prompt). Every row has a
 parent: the row before it, or for a draft tree (`step_input.item_forest`) its parent node; the
 first row's parent is the request's live state. So a row's state is the recurrence applied along
 its path, and its convolution reads the inputs of its last `conv_kernel - 1` ancestors (`window`:
@@ -48,8 +48,8 @@ class RecurrentGroup:
 
 @dataclass(frozen=True)
 class RecurrentBatch:
-    """A step's groups: the items of at most `block` tokens together (decodes, verifies, short
-    prefill chunks), each longer prefill chunk alone, so no grid pads a decode to a prefill's length."""
+    """A step's groups: decodes and verifies together (every item no longer than the longest
+    verified draft + 1), each other item (a prefill chunk) alone."""
 
     groups: tuple[RecurrentGroup, ...]
     num_snapshots: int
@@ -61,12 +61,15 @@ def build_recurrent_batch(
     items: list[ScheduledItem], conv_kernel: int, chunk_size: int, device: torch.device
 ) -> RecurrentBatch:
     forests = [item_forest(item) for item in items]
-    special = [item.num_tokens for item, f in zip(items, forests, strict=True) if item.draft or f is not None]
-    block = max(chunk_size, *special) if special else chunk_size
+    verified = max(
+        (it.num_tokens for it, f in zip(items, forests, strict=True) if it.draft or f is not None), default=1
+    )
+    block = max(chunk_size, verified)  # a verified item lies in one block
     starts = np.cumsum([0, *(item.num_tokens for item in items)])
-    short = [i for i, item in enumerate(items) if item.num_tokens <= block]
+    short = [i for i, item in enumerate(items) if item.num_tokens <= verified]
+    alone = [[i] for i, item in enumerate(items) if item.num_tokens > verified]
     groups, tracked = [], []
-    for members in ([short] if short else []) + [[i] for i, it in enumerate(items) if it.num_tokens > block]:
+    for members in ([short] if short else []) + alone:
         group, group_tracked = _group(items, forests, members, starts, conv_kernel, block, device)
         groups.append(group)
         tracked += group_tracked
