@@ -245,13 +245,18 @@ def test_logprobs_equal_prefill_scoring(target, prompts, reference):
     assert_logprobs_equal(out.meta, scored)
 
 
-def test_retract_and_abort_under_a_tiny_pool(target, prompts, reference):
+@pytest.mark.parametrize("speculate", [True, False], ids=["oracle-trees", "plain-overlapped"])
+def test_retract_and_abort_under_a_tiny_pool(target, prompts, reference, speculate):
     """A pool too small for every request at once: requests are retracted (state slot freed with
-    the pages, recomputed from a zero state) and one is aborted mid-way; the rest match plain decoding."""
-    spec = {"method": "ngram", "num_steps": 4, "topk": 2, "num_draft_tokens": 8}
+    the pages, recomputed from a zero state) and one is aborted mid-way; the rest match plain decoding.
+    Without speculation the steps overlap (an aborted request's slot may be handed out while its
+    last step is in flight: the new owner starts from a zero state whatever the slot holds)."""
+    spec = {"method": "ngram", "num_steps": 4, "topk": 2, "num_draft_tokens": 8} if speculate else None
     llm = LLM(target, device="cpu", dtype="float32", page_size=2, max_total_tokens=120, speculative=spec)
     engine = llm.engine
-    engine.drafter = OracleDrafter(reference, wrong=0.2, seed=5)
+    assert engine._overlap is not speculate
+    if speculate:
+        engine.drafter = OracleDrafter(reference, wrong=0.2, seed=5)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     done, aborted = {}, ids[2]
     steps = 0
