@@ -50,7 +50,7 @@ class MambaShape:
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Everything the forward pass needs to know about a Llama-family checkpoint."""
+    """Everything the forward pass needs to know about a checkpoint (Llama family, or Bamba's hybrid)."""
 
     vocab_size: int
     hidden_size: int
@@ -152,7 +152,7 @@ def _decoder_arch(name: str, cfg: dict) -> ModelArch:
 
 def _bamba_arch(cfg: dict) -> ModelArch:
     """Bamba (ibm-ai-platform/Bamba-9B and its HF port): Llama attention with half the head dims
-    rotated at `attn_layer_indices`, a Mamba-2 mixer at every other layer, a SwiGLU MLP after each."""
+    rotated at `attn_layer_indices`, a Mamba-2 mixer at each remaining layer, a SwiGLU MLP after each."""
     name = "BambaForCausalLM"
     if cfg.get("attention_bias"):
         raise ValueError(f"{name}: attention_bias=True is not supported")
@@ -161,6 +161,10 @@ def _bamba_arch(cfg: dict) -> ModelArch:
     attends = tuple(sorted(set(cfg.get("attn_layer_indices") or ())))
     if any(not 0 <= i < layers for i in attends):
         raise ValueError(f"{name}: attn_layer_indices {list(attends)} outside the {layers} layers")
+    if not attends:  # the KV pool is sized per attention layer
+        raise ValueError(
+            f"{name}: attn_layer_indices is empty; models without attention layers are not supported"
+        )
     heads = cfg.get("mamba_n_heads") or 128
     inner = (cfg.get("mamba_expand") or 2) * hidden
     head_dim = cfg.get("mamba_d_head")
