@@ -12,6 +12,7 @@ check) and, in the runs below, after every step.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -27,6 +28,7 @@ from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.state_pool import StatePool
 from specserve.engine.stats import SpecSettings
 from specserve.engine.step_input import item_forest
+from specserve.model.arch import arch_from_hf_config
 from specserve.model.bamba import BambaForCausalLM
 from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
@@ -98,6 +100,16 @@ def test_the_bamba_layout_is_read(target):
     assert isinstance(target.model, BambaForCausalLM)
     per_slot = 2 * (4 * 8 * 16 * 16 + 4 * 3 * m.conv_dim)
     assert StatePool.bytes_per_slot(arch, torch.float32) == per_slot
+    config = json.loads((target.location.path / "config.json").read_text())
+    bad = {
+        "attn_layer_indices": {"attn_layer_indices": []},
+        "mamba_d_head": {"mamba_d_head": 12},
+        "mamba_n_groups": {"mamba_n_groups": 3},
+        "attention_bias": {"attention_bias": True},
+    }
+    for match, change in bad.items():
+        with pytest.raises(ValueError, match=match):
+            arch_from_hf_config({**config, **change})
 
 
 def test_logits_and_greedy_match_transformers(folders, target, prompts):
