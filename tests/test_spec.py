@@ -13,7 +13,7 @@ from specserve.model.loader import load_model
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.verify import verify_chains
 
-from engine_utils import assert_follows
+from engine_utils import assert_follows, assert_logprobs_equal
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +153,7 @@ def test_logprobs_equal_prefill_scoring(loaded, prompts, random_heads, method):
     decoded = out.meta["output_token_logprobs"]
     assert len(out.meta["input_token_logprobs"]) == len(prompt)
     assert [e[1] for e in decoded] == out.token_ids == [e[1] for e in scored["input_token_logprobs"]]
-    pairs = [(decoded, scored["input_token_logprobs"])]
-    pairs += list(zip(out.meta["output_top_logprobs"], scored["input_top_logprobs"], strict=True))
-    pairs += list(zip(out.meta["output_token_ids_logprobs"], scored["input_token_ids_logprobs"], strict=True))
-    for ours, reference in pairs:
-        assert [e[1] for e in ours] == [e[1] for e in reference]
-        assert max(abs(a[0] - b[0]) for a, b in zip(ours, reference, strict=True)) <= 1e-4
+    assert_logprobs_equal(out.meta, scored)
 
 
 def test_abort_during_speculation_frees_pages(loaded, prompts, tiny_draft):
