@@ -14,6 +14,7 @@
 #   DATA_MINUTES=2 WORKERS=4 EAGLE3_MINUTES=2.5 MTP_MINUTES=1.25 METHODS="eagle3 mtp"
 #   EAGLE3_ARGS / MTP_ARGS: extra train-draft flags, e.g. EAGLE3_ARGS="--draft-vocab 4096 --intermediate-size 768"
 #   DEVICE=cpu SMOKE=1: a few steps of everything on the CPU, to check the script itself.
+#   EVAL_TOKENS=128: new tokens per MT-Bench prompt in each evaluation.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
 #   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
 set -uo pipefail
@@ -44,7 +45,8 @@ if [ -d "$HOME/staged" ]; then  # the GPU machine: carried wheels and staged ass
 fi
 export PYTHONUNBUFFERED=1
 TRAIN=(python3 -P -m specserve.cli train-draft --device "$DEVICE" --no-progress)
-EVAL=(--eval-steps 5 --eval-temperatures 0,0.7 --eval-tree 8:32 --eval-tree 4:16)
+# 128 new tokens per MT-Bench prompt: the first run's evaluation at 256 used up the call before MTP trained.
+EVAL=(--eval-steps 5 --eval-temperatures 0,0.7 --eval-tree 8:32 --eval-tree 4:16 --eval-max-new-tokens "${EVAL_TOKENS:-128}")
 STEPS=()
 if [ -n "${SMOKE:-}" ]; then  # every phase, tiny: checks the script, measures nothing
   DATA=(--num-prompts 8 --max-new-tokens 24)
