@@ -76,7 +76,7 @@ class KVManager:
         self.pool.release(reversed(req.pages))
         req.pages, req.page_digests = [], []
         req.num_computed = req.draft_computed = 0
-        req.draft_state = None
+        req.draft_state = req.draft_backlog = None
 
     def flush(self) -> None:
         if self.prefix_cache is not None:

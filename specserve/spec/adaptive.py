@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_tokens, reach
 from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
 
@@ -173,3 +174,10 @@ def default_tiers(num_steps: int, topk: int = 1, num_draft_tokens: int | None = 
     if topk > 1:
         tiers.add(Tier(num_steps, topk, num_draft_tokens or num_steps))
     return tuple(sorted(tiers))
+
+
+def configured_tiers(spec: SpeculativeConfig) -> tuple[Tier, ...]:
+    """The tiers `spec.adaptive` names, else `default_tiers` of the configured shape."""
+    if spec.adaptive is None or spec.adaptive.tiers is None:
+        return default_tiers(spec.num_steps, spec.topk, spec.draft_tokens)
+    return tuple(sorted({Tier(*shape) for shape in spec.adaptive.tiers}))
