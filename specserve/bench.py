@@ -46,6 +46,7 @@ class BenchRow:
     seconds: float
     tokens_per_s: float
     accept_length: float | None = None  # completion tokens per verify step, with speculation
+    tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,8 +151,8 @@ def run(args: argparse.Namespace) -> int:
         batch = prompts[:b]
         for name, engine in engines.items():
             runs = [_time_engine(engine, batch, args.max_new_tokens) for _ in range(args.repeats)]
-            seconds, accept = sorted(runs)[len(runs) // 2]  # the median run
-            rows.append(_row(name, b, args.max_new_tokens, seconds, accept))
+            seconds, accept, tiers = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median run
+            rows.append(_row(name, b, args.max_new_tokens, seconds, accept, tiers))
         if hf is not None:
             rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
             if b == 1:
@@ -234,8 +235,15 @@ def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batc
     )
 
 
-def _row(system: str, batch: int, new_tokens: int, seconds: float, accept: float | None = None) -> BenchRow:
-    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds, accept)
+def _row(
+    system: str,
+    batch: int,
+    new_tokens: int,
+    seconds: float,
+    accept: float | None = None,
+    tiers: dict[str, int] | None = None,
+) -> BenchRow:
+    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds, accept, tiers)
 
 
 def _sync(device: torch.device) -> None:
@@ -243,8 +251,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_engine(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, float | None]:
+def _time_engine(
+    llm, prompts: list[list[int]], new_tokens: int
+) -> tuple[float, float | None, dict[str, int] | None]:
+    """Seconds, accept length, and with adaptive speculation the steps each tier ran. The adaptive
+    policy keeps what it learnt from run to run, as a server would."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    adaptive = llm.engine.adaptive
+    before = dict(adaptive.tier_steps) if adaptive is not None else {}
     llm.engine.flush_cache()  # no prefix reuse between runs
     _sync(llm.engine.device)
     start = time.perf_counter()
@@ -253,7 +267,11 @@ def _time_engine(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float,
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
     verify_steps = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
-    return seconds, (len(outs) * new_tokens / verify_steps if verify_steps else None)
+    accept = len(outs) * new_tokens / verify_steps if verify_steps else None
+    if adaptive is None:
+        return seconds, accept, None
+    tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}
+    return seconds, accept, {name: n for name, n in tiers.items() if n}
 
 
 def _load_hf(llm):
@@ -300,7 +318,7 @@ def _time_hf(
 def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
     """One line per run; the last column is each run's speed over plain specserve at that batch size."""
     plain = {r.batch_size: r.tokens_per_s for r in rows if r.system == PLAIN}
-    header = ["system", "batch", "new tok", "seconds", "tok/s", "accept len", "x plain"]
+    header = ["system", "batch", "new tok", "seconds", "tok/s", "accept len", "x plain", "steps per tier"]
     body = [
         [
             r.system,
@@ -310,6 +328,7 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
             f"{r.tokens_per_s:.1f}",
             f"{r.accept_length:.2f}" if r.accept_length else "-",
             f"{r.tokens_per_s / plain[r.batch_size]:.2f}",
+            " ".join(f"{name}:{n}" for name, n in r.tier_steps.items()) if r.tier_steps else "-",
         ]
         for r in rows
     ]

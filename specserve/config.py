@@ -137,7 +137,9 @@ class AdaptiveConfig:
         """Accept a config, a mapping of its fields (tiers as [num_steps, topk, num_draft_tokens]
         triples or "NUM_STEPS[xTOPKxNUM_DRAFT_TOKENS]" / "off" strings), true (the defaults), or
         false / null (off)."""
-        if value is None or value is False or isinstance(value, AdaptiveConfig):
+        if value is None or value is False:
+            return None
+        if isinstance(value, AdaptiveConfig):
             return value
         if value is True:
             return cls()
@@ -286,7 +288,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64  # the largest batch bucket captured
     # Overlap scheduling: the host schedules and launches step n+1 before collecting step n's tokens
-    # (None: on without speculative decoding at TP size 1; not available with it yet).
+    # (None: on without speculative decoding at TP size 1, and for adaptive speculation's plain steps
+    # when its drafter reads no target features (n-gram, standalone); not available otherwise yet).
     overlap_schedule: bool | None = None
     seed: int = 0
     # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).

@@ -13,6 +13,7 @@ draft steps. The predicted and the measured goodput go to the step's stats for t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from specserve.config import SpeculativeConfig
@@ -52,6 +53,7 @@ class AdaptiveSpeculation:
         self.predicted_goodput = 0.0
         self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
         self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
+        self.tier_steps: Counter[Tier] = Counter()  # steps run per tier (probes included)
 
     def decide(self, reqs: Sequence[Request]) -> SpecSettings:
         """This step's tier for the decoding requests `reqs`, as the engine's speculation settings."""
@@ -62,6 +64,7 @@ class AdaptiveSpeculation:
         decision = self.policy.decide([r.request_id for r in reqs])
         self.tier, self._steps = decision.tier, decision.steps
         self.predicted_goodput = decision.predicted_goodput
+        self.tier_steps[self.tier] += 1
         return settings_of(self.tier)
 
     def steps_for(self, req: Request) -> int:

@@ -102,6 +102,13 @@ class Engine:
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
         self._overlap = config.use_overlap() and self.drafter is None
+        # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
+        # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
+        self._overlap_off = (
+            self.adaptive is not None
+            and config.overlap_schedule is not False
+            and self.drafter.capture is None
+        )
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}
@@ -190,10 +197,13 @@ class Engine:
         stats = self._stats
         stats.start_clock()
         outputs, self._pending = self._pending, []
+        if self.adaptive is not None:
+            outputs.extend(self._choose_tier())
         self._propose_drafts()
         stats.lap("draft" if self.drafter is not None else None)
         items = self.scheduler.schedule(stats)
-        if self._overlap and (items or self._inflight is not None):
+        overlap = self._overlap or (self._overlap_off and self.spec_settings.num_steps == 0)
+        if overlap and (items or self._inflight is not None):
             outputs.extend(self._step_overlapped(items, stats))
             stats.stop_clock()
         elif items:
@@ -443,12 +453,19 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _choose_tier(self) -> list[RequestOutput]:
+        """Adaptive speculation: this step's tier. Drafting needs every token known, so a plain step
+        still in flight (overlapped) is settled first; its outputs are returned."""
+        decoding = [req for req in self.scheduler.running if req.decoding]
+        self.spec_settings = self.adaptive.decide(decoding)
+        if self.spec_settings.num_steps == 0 or self._inflight is None:
+            return []
+        flight, self._inflight = self._inflight, None
+        return self._settle_step(flight)
+
     def _propose_drafts(self) -> None:
         """Each decoding request gets up to num_steps draft tokens (or a tree that deep), never more
-        than it may still emit."""
-        if self.adaptive is not None:
-            decoding = [req for req in self.scheduler.running if req.decoding]
-            self.spec_settings = self.adaptive.decide(decoding)
+        than it may still emit (with adaptive speculation, up to the steps the policy gave it)."""
         shape = self.spec_settings
         if self.drafter is None or shape.num_steps == 0:
             return
