@@ -12,15 +12,9 @@
 # (more flags, e.g. "--spec eagle3:5:HEAD --spec eagle3:adaptive-5:HEAD").
 set -uo pipefail
 OUT=${OUT:-/tmp/specserve-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-rm -rf /tmp/site/specserve /tmp/site/specserve_kernels
-cp -r specserve /tmp/site/specserve && cp -r kernels /tmp/site/specserve_kernels
+# gpu_check.sh's set-up only (wheels into /tmp/site, the model and MT-Bench into the cache, nvidia-smi).
+OUT=$OUT SKIP_GPU_TESTS=1 SKIP_KERNELS=1 SKIP_BENCH=1 bash scripts/gpu_check.sh
 export PYTHONPATH=/tmp/site SPECSERVE_CACHE=$HOME/spcache SPECSERVE_REPORT_DIR=$OUT PYTHONUNBUFFERED=1
-mkdir -p "$SPECSERVE_CACHE/assets/smollm2-135m-instruct" "$SPECSERVE_CACHE/assets/mt-bench"
-cp ~/staged/SmolLM2-135M-Instruct.Q4_1.gguf "$SPECSERVE_CACHE/assets/smollm2-135m-instruct/"
-cp .devcarry/question.jsonl "$SPECSERVE_CACHE/assets/mt-bench/"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 specs=()
 for spec in ${STATIC:-ngram:1 ngram:2 ngram:4 ngram:8} ${ADAPTIVE:-ngram:adaptive-8}; do specs+=(--spec "$spec"); done
 for dataset in ${DATASETS:-mt-bench mixed}; do
