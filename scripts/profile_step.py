@@ -15,23 +15,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from specserve import LLM, SamplingParams
 from specserve.assets import dataset_path
+from specserve.engine.stats import PhaseTotals
 from specserve.model.loader import load_model
 
 TOKENS = int(os.environ.get("PROFILE_TOKENS", "256"))
-
-
-class PhaseTotals:
-    """A StatsSink summing each step phase's host seconds."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
-        self.steps = 0
-
-    def record_step(self, stats) -> None:
-        if "step" in stats.phases:
-            self.steps += 1
-            for name, seconds in stats.phases.items():
-                self.totals[name] = self.totals.get(name, 0.0) + seconds
 
 
 def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict[str, float]]:
@@ -44,7 +31,7 @@ def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict[str, float]]:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     llm.engine.stats_sink = None
-    return seconds, {k: v / sink.steps * 1e3 for k, v in sink.totals.items()}
+    return seconds, sink.ms_per_step()
 
 
 def replay_us(llm: LLM, bucket: tuple[int, int], n: int = 200) -> float:
@@ -98,4 +85,6 @@ if os.environ.get("PROFILE_KERNELS"):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eager.generate(prompts[:bs], params)
         print(f"eager kernels, batch {bs}, prefill + 10 decode steps:")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+        print(
+            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+        )

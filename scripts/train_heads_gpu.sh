@@ -15,6 +15,7 @@
 #   EAGLE3_ARGS / MTP_ARGS: extra train-draft flags, e.g. EAGLE3_ARGS="--draft-vocab 4096 --intermediate-size 768"
 #   DEVICE=cpu SMOKE=1: a few steps of everything on the CPU, to check the script itself.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
+#   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
 set -uo pipefail
 START=$SECONDS
 LIMIT=${LIMIT:-570}  # seconds this script may take in all (the call's limit is 600)

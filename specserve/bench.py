@@ -30,6 +30,7 @@ from specserve.cli_spec_args import (
     speculative_from_args,
 )
 from specserve.config import ATTENTION_BACKENDS
+from specserve.engine.stats import PhaseTotals
 from specserve.types import SamplingParams
 
 PLAIN = spec_name(None)
@@ -46,6 +47,8 @@ class BenchRow:
     seconds: float
     tokens_per_s: float
     accept_length: float | None = None  # completion tokens per verify step, with speculation
+    # host ms per engine step by phase (`step`: the whole step; `draft`, `target`, `postprocess`)
+    step_ms: dict[str, float] | None = None
     tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
 
 
@@ -151,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
         batch = prompts[:b]
         for name, engine in engines.items():
             runs = [_time_engine(engine, batch, args.max_new_tokens) for _ in range(args.repeats)]
-            seconds, accept, tiers = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median run
-            rows.append(_row(name, b, args.max_new_tokens, seconds, accept, tiers))
+            run = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median
+            rows.append(_row(name, b, args.max_new_tokens, *run))
         if hf is not None:
             rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
             if b == 1:
@@ -241,9 +244,11 @@ def _row(
     new_tokens: int,
     seconds: float,
     accept: float | None = None,
+    step_ms: dict[str, float] | None = None,
     tiers: dict[str, int] | None = None,
 ) -> BenchRow:
-    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds, accept, tiers)
+    tokens_per_s = batch * new_tokens / seconds
+    return BenchRow(system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers)
 
 
 def _sync(device: torch.device) -> None:
@@ -253,25 +258,31 @@ def _sync(device: torch.device) -> None:
 
 def _time_engine(
     llm, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float | None, dict[str, int] | None]:
-    """Seconds, accept length, and with adaptive speculation the steps each tier ran. The adaptive
-    policy keeps what it learnt from run to run, as a server would."""
+) -> tuple[float, float | None, dict[str, float], dict[str, int] | None]:
+    """Seconds of one run, its accept length (None without speculation), host ms per step by phase,
+    and with adaptive speculation the steps each tier ran. The adaptive policy keeps what it learnt
+    from run to run, as a server would."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     adaptive = llm.engine.adaptive
     before = dict(adaptive.tier_steps) if adaptive is not None else {}
     llm.engine.flush_cache()  # no prefix reuse between runs
+    phases = PhaseTotals()
+    llm.engine.attach_stats_sink(phases)
     _sync(llm.engine.device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    _sync(llm.engine.device)
+    try:
+        outs = llm.generate(prompts, params)
+        _sync(llm.engine.device)
+    finally:
+        llm.engine.stats_sink = None
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
     verify_steps = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
     accept = len(outs) * new_tokens / verify_steps if verify_steps else None
     if adaptive is None:
-        return seconds, accept, None
+        return seconds, accept, phases.ms_per_step(), None
     tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}
-    return seconds, accept, {name: n for name, n in tiers.items() if n}
+    return seconds, accept, phases.ms_per_step(), {name: n for name, n in tiers.items() if n}
 
 
 def _load_hf(llm):
@@ -318,7 +329,17 @@ def _time_hf(
 def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
     """One line per run; the last column is each run's speed over plain specserve at that batch size."""
     plain = {r.batch_size: r.tokens_per_s for r in rows if r.system == PLAIN}
-    header = ["system", "batch", "new tok", "seconds", "tok/s", "accept len", "x plain", "steps per tier"]
+    header = [
+        "system",
+        "batch",
+        "new tok",
+        "seconds",
+        "tok/s",
+        "accept len",
+        "x plain",
+        "ms/step (draft/target)",
+        "steps per tier",
+    ]
     body = [
         [
             r.system,
@@ -328,8 +349,16 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
             f"{r.tokens_per_s:.1f}",
             f"{r.accept_length:.2f}" if r.accept_length else "-",
             f"{r.tokens_per_s / plain[r.batch_size]:.2f}",
+            _step_cell(r.step_ms),
             " ".join(f"{name}:{n}" for name, n in r.tier_steps.items()) if r.tier_steps else "-",
         ]
         for r in rows
     ]
     return header, body
+
+
+def _step_cell(step_ms: dict[str, float] | None) -> str:
+    """A step's host ms, with its draft and target phases (`-` for a peer, which has no steps)."""
+    if not step_ms or "step" not in step_ms:
+        return "-"
+    return f"{step_ms['step']:.2f} ({step_ms.get('draft', 0.0):.2f}/{step_ms.get('target', 0.0):.2f})"

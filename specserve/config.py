@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,7 +32,8 @@ class CacheConfig:
     page_size: int = 1
     # Token slots in the pool; None sizes it from free GPU memory (or a CPU default).
     max_total_tokens: int | None = None
-    enable_prefix_cache: bool = True
+    # None: on, except for hybrid models, which keep no state snapshots to resume a prefix from.
+    enable_prefix_cache: bool | None = None
     gpu_memory_fraction: float = 0.85
 
     def validate(self) -> None:
@@ -46,6 +47,11 @@ class CacheConfig:
             "must be null or an integer >= 1",
         )
         _require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
+        _require(
+            self.enable_prefix_cache in (None, True, False),
+            "enable_prefix_cache",
+            "must be null, true or false",
+        )
 
 
 @dataclass(frozen=True)
@@ -367,6 +373,20 @@ class EngineConfig:
         model = fields.get("model", cls.model)
         fields["speculative"] = SpeculativeConfig.from_value(fields.get("speculative"), model)
         return cls(**fields)
+
+    def for_model(self, *, hybrid: bool) -> EngineConfig:
+        """This config with its automatic settings resolved for the loaded model. A hybrid model
+        (recurrent layers, docs/hybrid-models.md) refuses what it cannot do, naming the setting:
+        prefix caching, CUDA graphs and tensor parallelism default to off there."""
+        cache = self.cache
+        if not hybrid:
+            on = cache.enable_prefix_cache is not False
+            return replace(self, cache=replace(cache, enable_prefix_cache=on))
+        reason = "is not available for hybrid (Mamba-2) models (docs/hybrid-models.md)"
+        _require(cache.enable_prefix_cache is not True, "enable_prefix_cache", f"{reason}; leave it null")
+        _require(self.cuda_graphs is not True, "cuda_graphs", f"{reason}; leave it null")
+        _require(self.tp_size == 1, "tp_size", f"above 1 {reason}")
+        return replace(self, cuda_graphs=False, cache=replace(cache, enable_prefix_cache=False))
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -49,7 +49,7 @@ class LLM:
         max_running_requests: int = 64,
         max_batched_tokens: int = 2048,
         chunked_prefill: bool = True,
-        enable_prefix_cache: bool = True,
+        enable_prefix_cache: bool | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         attention_backend: str = "auto",

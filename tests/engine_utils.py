@@ -28,7 +28,13 @@ def last_logits(engine: Engine, prompts: Sequence[Sequence[int]]) -> torch.Tenso
         for req in reqs:
             assert engine.kv.reserve(req, req.prompt_len), "KV pool too small for the probe"
         items = [ScheduledItem.of(req, req.prompt_len) for req in reqs]
-        inp = build_step_input(items, engine.kv.page_size, engine.device)
+        # Eager (no graph bucket); a hybrid model's step also needs its recurrent layout.
+        hybrid = engine.states is not None
+        inp = (
+            engine.build_input(items)
+            if hybrid
+            else build_step_input(items, engine.kv.page_size, engine.device)
+        )
         _, _, logits = engine.runner.execute(inp)
         return logits[inp.sample_logit_rows]
     finally:
@@ -67,6 +73,17 @@ def assert_same_outputs(ours, reference, tol: float = 1e-4) -> None:
         mine = [entry[0] for entry in o.meta["output_token_logprobs"]]
         theirs = [entry[0] for entry in r.meta["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) <= tol
+
+
+def assert_logprobs_equal(decoded: dict, scored: dict, tol: float = 1e-4) -> None:
+    """Invariant 3: a decoded output's token, top-k and chosen-id logprobs (`meta` with `output_*`)
+    equal a prefill-only scoring's of the same tokens (`meta` with `input_*`), within `tol`."""
+    pairs = [(decoded["output_token_logprobs"], scored["input_token_logprobs"])]
+    pairs += list(zip(decoded["output_top_logprobs"], scored["input_top_logprobs"], strict=True))
+    pairs += list(zip(decoded["output_token_ids_logprobs"], scored["input_token_ids_logprobs"], strict=True))
+    for ours, reference in pairs:
+        assert [e[1] for e in ours] == [e[1] for e in reference]
+        assert max(abs(a[0] - b[0]) for a, b in zip(ours, reference, strict=True)) <= tol
 
 
 @dataclass(frozen=True)

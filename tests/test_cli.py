@@ -116,11 +116,17 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     assert rows[("specserve-ngram-3", 3)]["accept_length"] >= 1
     assert report["systems"]["specserve-ngram-3x2x4"]["speculative"]["topk"] == 2
     assert rows[("specserve", 3)]["accept_length"] is None
+    # where each engine step's host time went: the whole step, and drafting only with speculation
+    spec_steps, plain_steps = rows[("specserve-ngram-3", 3)]["step_ms"], rows[("specserve", 3)]["step_ms"]
+    assert spec_steps["step"] >= spec_steps["draft"] > 0 and spec_steps["target"] > 0
+    assert plain_steps["step"] > 0 and "draft" not in plain_steps
+    assert rows[("hf-generate", 3)]["step_ms"] is None
     # adaptive speculation: the steps each tier ran (a request's first token comes from its prefill)
     tiers = rows[("specserve-ngram-3-adaptive", 1)]["tier_steps"]
     assert set(tiers) <= {"off", "1", "2", "3"} and 1 <= sum(tiers.values()) <= 3
     assert rows[("specserve-ngram-3", 1)]["tier_steps"] is None
     printed = capsys.readouterr().out
+    assert "ms/step (draft/target)" in printed
     assert "tok/s" in printed and "specserve-ngram-3" in printed
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -13,7 +13,7 @@ from specserve.model.loader import load_model
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.verify import verify_chains
 
-from engine_utils import assert_follows
+from engine_utils import assert_follows, assert_logprobs_equal
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +153,7 @@ def test_logprobs_equal_prefill_scoring(loaded, prompts, random_heads, method):
     decoded = out.meta["output_token_logprobs"]
     assert len(out.meta["input_token_logprobs"]) == len(prompt)
     assert [e[1] for e in decoded] == out.token_ids == [e[1] for e in scored["input_token_logprobs"]]
-    pairs = [(decoded, scored["input_token_logprobs"])]
-    pairs += list(zip(out.meta["output_top_logprobs"], scored["input_top_logprobs"], strict=True))
-    pairs += list(zip(out.meta["output_token_ids_logprobs"], scored["input_token_ids_logprobs"], strict=True))
-    for ours, reference in pairs:
-        assert [e[1] for e in ours] == [e[1] for e in reference]
-        assert max(abs(a[0] - b[0]) for a, b in zip(ours, reference, strict=True)) <= 1e-4
+    assert_logprobs_equal(out.meta, scored)
 
 
 def test_abort_during_speculation_frees_pages(loaded, prompts, tiny_draft):
@@ -202,6 +197,27 @@ def test_rejection_sampling_emits_the_target_distribution(row):
     rows = [_row(row, seed, j) for seed in range(draws) for j in range(2)]
     chains = verify_chains(logits[[0, 1] * draws], rows, [[draft]] * draws)
     assert_follows([c[0] for c in chains], expected)
+
+
+def test_all_greedy_chains_take_the_shortcut_to_the_same_tokens():
+    """An all-greedy batch skips the rejection rule's probabilities and noise; its chains must emit
+    what the rule emits for the same greedy rows beside a sampling one (which forces the rule)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, lengths = 16, [3, 0, 5, 1, 4]
+    logits = torch.randn(sum(lengths) + len(lengths) + 2, vocab, generator=gen)
+    best = logits.argmax(-1).tolist()
+    drafts, row = [], 0
+    for n in lengths:  # drafts matching the argmax for a random prefix, then wrong
+        keep = int(torch.randint(0, n + 1, (1,), generator=gen))
+        drafts.append([best[row + j] if j < keep else (best[row + j] + 1) % vocab for j in range(n)])
+        row += n + 1
+    greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+    sampled = SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1, counter=0)
+    rows = [greedy] * row
+    shortcut = verify_chains(logits[:row], rows, drafts)
+    ruled = verify_chains(logits, [*rows, sampled, sampled], [*drafts, [3]])
+    assert shortcut == ruled[: len(drafts)]
+    assert [len(c) for c in shortcut] != [n + 1 for n in lengths]  # some drafts were rejected
 
 
 def _row(row: SamplingRow, seed: int, counter: int) -> SamplingRow:

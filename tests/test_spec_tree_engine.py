@@ -24,7 +24,7 @@ from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
 
-from engine_utils import last_logits
+from engine_utils import assert_logprobs_equal, last_logits
 from tiny_models import save_tiny_llama3
 
 VOCAB = 96
@@ -212,12 +212,7 @@ def test_logprobs_equal_prefill_scoring(target, plain, method):
     scored = plain.generate(
         [prompt + out.token_ids], SamplingParams(max_new_tokens=0, logprob_start_len=len(prompt), **asked)
     )[0].meta
-    pairs = [(out.meta["output_token_logprobs"], scored["input_token_logprobs"])]
-    pairs += list(zip(out.meta["output_top_logprobs"], scored["input_top_logprobs"], strict=True))
-    pairs += list(zip(out.meta["output_token_ids_logprobs"], scored["input_token_ids_logprobs"], strict=True))
-    for ours, reference in pairs:
-        assert [e[1] for e in ours] == [e[1] for e in reference]
-        assert max(abs(a[0] - b[0]) for a, b in zip(ours, reference, strict=True)) <= 1e-4
+    assert_logprobs_equal(out.meta, scored)
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle"])

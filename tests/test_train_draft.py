@@ -176,6 +176,17 @@ def test_a_resumed_run_continues_exactly(target, data, tmp_path):
     assert len(head.step_modules) == 2
 
 
+def test_a_profiled_step_logs_where_its_time_went(target, data, tmp_path, monkeypatch):
+    """SPECSERVE_TRAIN_PROFILE=N logs a torch.profiler table of step N (and only of that step)."""
+    _, samples = data
+    monkeypatch.setenv("SPECSERVE_TRAIN_PROFILE", "1")
+    cfg = TrainConfig(method="mtp", steps=2, tokens_per_batch=512, warmup_steps=1, max_steps=3)
+    logged: list[str] = []
+    train_head(target, samples, cfg, tmp_path / "p", progress_bar=False, log=logged.append)
+    tables = [line for line in logged if "Self CPU" in line]
+    assert len(tables) == 1 and "aten::mm" in tables[0]
+
+
 def test_batches_cover_each_sample_once_per_epoch_within_the_budget(data):
     _, samples = data
 

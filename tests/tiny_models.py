@@ -94,3 +94,31 @@ def _randomise_norms_and_biases(model: torch.nn.Module) -> None:
             param.copy_(INIT_STD * torch.randn(param.shape, generator=gen))
         elif "norm" in name:
             param.copy_(1.0 + INIT_STD * torch.randn(param.shape, generator=gen))
+
+
+def save_tiny_bamba(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None, **shape
+) -> Path:
+    """A hybrid: 4 layers, attention at 1 and 3 (GQA 4/2, half of each head rotated), Mamba-2 at 0
+    and 2 (8 heads of 16 channels in 2 groups, state 16, convolution width 4) and a small scan block
+    (8 rows), so prompts span several blocks. `shape` overrides config fields."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    config = BambaConfig(
+        **{
+            **_shape(tokenizer, vocab_size),
+            "num_hidden_layers": 4,
+            "attn_layer_indices": [1, 3],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 8,
+            "tie_word_embeddings": False,
+            **shape,
+        }
+    )
+    path = _save(BambaForCausalLM, config, path, tokenizer)
+    return path

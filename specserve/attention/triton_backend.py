@@ -5,10 +5,13 @@ with the KV write (`specserve_kernels.rope_store`), then paged attention straigh
 pages (`specserve_kernels.paged_attention`: prefill, decode and verify, causal or a tree mask). It
 also hands the decoder the fused residual-add + RMSNorm (`specserve_kernels.rms_norm`), so each
 layer's two norms are one launch each too, and the MLP's fused silu(gate) * up (`specserve_kernels.silu_mul`).
-Steps of at most `FUSED_LINEAR_TOKENS` tokens (decode and verify at small batch, bound by launches)
-go further: the decoder carries one residual stream through four matmuls per layer with each norm,
-the activation and each residual add fused in, the first of them also applying RoPE and writing
-the KV cache (`specserve_kernels.fused_linear`), so a layer is those four plus attention.
+Steps of at most `fused_linear_tokens` tokens can go further: the decoder carries one residual
+stream through four matmuls per layer with each norm, the activation and each residual add fused
+in, the first of them also applying RoPE and writing the KV cache (`specserve_kernels.fused_linear`),
+so a layer is those four plus attention. Off by default (`FUSED_LINEAR_TOKENS` = 0): on an H100 the
+fused layer measured no faster than cuBLAS with the separate norm kernels at 1-8 tokens (20.3 against
+21.1 us per layer, CUDA graph) and slower at 64 (33.2 against 21.9), and a whole batch-1 decode step
+replayed in 1.26 ms fused against 1.20 ms without (docs/benchmarks.md).
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
@@ -44,9 +47,9 @@ from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 if TYPE_CHECKING:
     from specserve.model.layers import RotaryEmbedding
 
-# Steps up to this many tokens run the fused matmuls (the decode / verify graph buckets at small batch).
-# SPECSERVE_FUSED_LINEAR_TOKENS overrides it (0: never), so a GPU run can time both paths in one copy.
-FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "64"))
+# Steps up to this many tokens run the fused matmuls; 0 (never) until they beat cuBLAS (see above).
+# SPECSERVE_FUSED_LINEAR_TOKENS sets it, so a GPU run can time both paths from one copy of the code.
+FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "0"))
 
 
 class TritonAttentionContext(AttentionContext):

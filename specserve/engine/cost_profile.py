@@ -20,7 +20,6 @@ import torch
 
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
-from specserve.engine.step_input import build_step_input
 from specserve.spec.adaptive import Tier
 from specserve.spec.drafter import TargetFeed
 from specserve.spec.step_costs import DRAFT, VERIFY
@@ -36,7 +35,11 @@ _PARAMS = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
 def profile_step_costs(engine: Engine, adaptive: AdaptiveSpeculation) -> None:
-    """Fill `adaptive.costs` for every tier's target pass and draft step at the profiled batch sizes."""
+    """Fill `adaptive.costs` for every tier's target pass and draft step at the profiled batch sizes.
+    Not for a hybrid model: a dummy pass would need recurrent-state slots of its own; its costs are
+    learnt from its first steps instead (as with `profile: false`)."""
+    if engine.states is not None:
+        return
     cuda = engine.device.type == "cuda"
     repeats = 5 if cuda else 1
     batches = profile_batches(engine)
@@ -71,8 +74,7 @@ def time_target(engine: Engine, batch: int, query_len: int, repeats: int) -> flo
     capture = _capture(engine)
 
     def run() -> None:
-        inp = build_step_input(items, engine.kv.page_size, engine.device, engine._graph_bucket)
-        engine.runner.execute(inp, capture)
+        engine.runner.execute(engine.build_input(items), capture)
 
     return median_seconds(run, repeats, engine.device)
 
@@ -133,8 +135,7 @@ def _features(engine: Engine, batch: int) -> torch.Tensor:
     """The captured target features of a one-token dummy pass (what a head's extend reads)."""
     reqs = dummy_requests(batch, 1, 1, engine.kv.page_size)
     items = [ScheduledItem(r, 0, 1, True) for r in reqs]
-    inp = build_step_input(items, engine.kv.page_size, engine.device, engine._graph_bucket)
-    hidden, aux, _ = engine.runner.execute(inp, _capture(engine))
+    hidden, aux, _ = engine.runner.execute(engine.build_input(items), _capture(engine))
     return (hidden if aux is None else aux)[:batch].clone()
 
 

@@ -27,9 +27,11 @@ from specserve.engine.kv_manager import KVManager
 from specserve.engine.logprobs import StepLogprobs, step_logprobs
 from specserve.engine.output import make_output
 from specserve.engine.overlap import InFlight
+from specserve.engine.recurrent_batch import accepted_snapshots, build_recurrent_batch
 from specserve.engine.request import FUTURE_TOKEN, Request
 from specserve.engine.sampler import SamplingBatch, SamplingRow, sample
 from specserve.engine.scheduler import ScheduledItem, Scheduler
+from specserve.engine.state_pool import StatePool
 from specserve.engine.stats import SpecSettings, StatsSink, StepStats
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
@@ -78,14 +80,16 @@ class Engine:
                 f"{self.device} in {self.dtype}"
             )
         self.model, self.arch, self.tokenizer = self.loaded.model, self.loaded.arch, self.loaded.tokenizer
+        config = self.config = config.for_model(hybrid=self.arch.is_hybrid)
         self.max_model_len = context_length(config, self.arch)
         page_size = config.cache.page_size
         draft_weights = self._drafter_weights()
+        self.states = state_pool(config, self.arch, self.dtype, self.device)  # before GPU memory is measured
         num_pages = self._num_pages(_kv_arch(draft_weights))
         self.kv_cache = KVCache.allocate(
             self.arch, num_pages, page_size, self.dtype, self.device, local_kv_heads(self.arch, self.tp)
         )
-        self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache)
+        self.kv = KVManager(num_pages, page_size, config.cache.enable_prefix_cache, self.states)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = attention_backend(config)
         self.drafter = self._make_drafter(draft_weights, num_pages)
@@ -98,7 +102,7 @@ class Engine:
         graphs = make_graphs(
             config, self.model, self.backend, self.kv_cache, self.max_model_len, capture or ()
         )
-        self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs)
+        self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs, self.states)
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
         self._overlap = config.use_overlap() and self.drafter is None
@@ -219,11 +223,13 @@ class Engine:
     def _run_batch(self, items: list[ScheduledItem], stats: StepStats) -> list[RequestOutput]:
         """Forward, verify/sample and postprocess one scheduled batch; phases timed on the host (a
         phase ends where the host waits for the GPU anyway: verify copies its results to the host)."""
-        inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket)
+        inp = self.build_input(items)
         capture = self.drafter.capture if self.drafter is not None else None
         hidden, aux, logits = self.runner.execute(inp, capture or ())
         emitted, drawn_at = self._verify(items, inp, logits)
         self._compact_accepted_paths(items, drawn_at)
+        if self.states is not None:  # each verified request's state: its last accepted token's
+            self.states.commit(*accepted_snapshots(inp.recurrent, emitted, drawn_at))
         stats.lap("target")
         if capture is not None:
             feeds = _target_feeds(items, emitted, drawn_at)
@@ -246,6 +252,17 @@ class Engine:
         stats.lap("postprocess")
         return outputs
 
+    def build_input(self, items: list[ScheduledItem], future: dict[str, int] | None = None) -> StepInput:
+        """The model input of a scheduled batch (`build_step_input`; `future`: overlap scheduling's
+        rows of in-flight tokens), with a hybrid model's recurrent layout."""
+        inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket, future)
+        if self.states is None:
+            return inp
+        m = self.arch.mamba
+        return dataclasses.replace(
+            inp, recurrent=build_recurrent_batch(items, m.conv_kernel, m.chunk_size, self.device)
+        )
+
     # ---- overlap scheduling (specserve/engine/overlap.py) ----------------------------------------
 
     def _step_overlapped(self, items: list[ScheduledItem], stats: StepStats) -> list[RequestOutput]:
@@ -266,8 +283,7 @@ class Engine:
 
     def _launch(self, items: list[ScheduledItem], previous: InFlight | None) -> InFlight:
         """Forward and sampling on the device, no host wait; each sampling request gets a FUTURE_TOKEN."""
-        rows = previous.rows if previous is not None else None
-        inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket, rows)
+        inp = self.build_input(items, previous.rows if previous is not None else None)
         waits = previous is not None and any(item.request.num_pending for item in items)
         future = previous.future() if waits else None  # else no id needs resolving on the device
         _, _, logits = self.runner.execute(inp, future=future)
@@ -720,6 +736,15 @@ def pool_pages(cache: CacheConfig, device: torch.device, bytes_per_token: int) -
     elif tokens is None:
         tokens = CPU_DEFAULT_TOKENS
     return -(-tokens // cache.page_size) + 1
+
+
+def state_pool(
+    config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device
+) -> StatePool | None:
+    """A hybrid model's recurrent-state pool: a slot per request that may run at once."""
+    if not arch.is_hybrid:
+        return None
+    return StatePool(arch, config.scheduler.max_running_requests, dtype, device)
 
 
 def attention_backend(config: EngineConfig) -> AttentionBackend:

@@ -33,7 +33,7 @@ class KVCache:
     ) -> KVCache:
         """`num_kv_heads`: the heads this rank holds under TP (default: all of the model's)."""
         kv_heads = num_kv_heads or arch.num_kv_heads
-        shape = (arch.num_layers, num_pages * page_size, kv_heads, arch.head_dim)
+        shape = (arch.kv_layers, num_pages * page_size, kv_heads, arch.head_dim)
         # Uninitialised is safe: a request reads only slots it wrote, and padding reads only the dummy
         # page, zeroed here (garbage there could be NaN, and NaN times a zero weight is still NaN).
         k = torch.empty(shape, dtype=dtype, device=device)
@@ -50,4 +50,4 @@ class KVCache:
     @staticmethod
     def bytes_per_token(arch: ModelArch, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * arch.num_layers * (num_kv_heads or arch.num_kv_heads) * arch.head_dim * itemsize
+        return 2 * arch.kv_layers * (num_kv_heads or arch.num_kv_heads) * arch.head_dim * itemsize

@@ -1,17 +1,29 @@
-"""Request-level KV bookkeeping: which pages a request holds, prefix reuse, and the accounting check."""
+"""Request-level KV bookkeeping: which pages a request holds, prefix reuse, and the accounting check.
+
+For a hybrid model it also hands out the request's recurrent-state slot (`StatePool`): taken with the
+request's first pages and given back with them, so finish, abort and retract free both.
+"""
 
 from __future__ import annotations
 
 from specserve.engine.page_pool import OutOfPages, PagePool
 from specserve.engine.prefix_cache import ROOT, PrefixCache, page_digest
 from specserve.engine.request import Request
+from specserve.engine.state_pool import OutOfSlots, StatePool
 
 
 class KVManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, enable_prefix_cache: bool, states: StatePool | None = None
+    ) -> None:
         self.page_size = page_size
         self.pool = PagePool(num_pages)
         self.prefix_cache = PrefixCache(self.pool, page_size) if enable_prefix_cache else None
+        if states is not None and self.prefix_cache is not None:
+            raise ValueError(
+                "enable_prefix_cache: hybrid models keep no state snapshots to resume a prefix from"
+            )
+        self.states = states
 
     @property
     def capacity_tokens(self) -> int:
@@ -36,7 +48,13 @@ class KVManager:
         return req.num_computed
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Make sure `req` holds pages for its first `num_tokens` tokens; False when the pool is short."""
+        """Make sure `req` holds pages for its first `num_tokens` tokens (and, with a state pool, a
+        state slot); False when the pool is short."""
+        if self.states is not None and req.state_slot is None:
+            try:
+                req.state_slot = self.states.allocate()
+            except OutOfSlots:
+                return False
         missing = -(-num_tokens // self.page_size) - len(req.pages)
         if missing <= 0:
             return True
@@ -77,6 +95,9 @@ class KVManager:
         req.pages, req.page_digests = [], []
         req.num_computed = req.draft_computed = 0
         req.draft_state = req.draft_backlog = None
+        if req.state_slot is not None:
+            self.states.release(req.state_slot)
+            req.state_slot = None
 
     def flush(self) -> None:
         if self.prefix_cache is not None:
@@ -84,3 +105,5 @@ class KVManager:
 
     def check(self, *, idle: bool) -> None:
         self.pool.check(idle=idle)
+        if self.states is not None:
+            self.states.check(idle=idle)

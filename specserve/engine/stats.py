@@ -80,3 +80,23 @@ class StatsSink(Protocol):
     def record_step(self, stats: StepStats) -> None:
         """Called on the engine's thread at the end of every step (and once when attached)."""
         ...
+
+
+class PhaseTotals:
+    """A StatsSink that sums each phase's host seconds over the steps that ran a batch, for
+    benchmarks and profiles: where a step's time goes (draft, target, postprocess)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+
+    def record_step(self, stats: StepStats) -> None:
+        if "step" in stats.phases:
+            self.steps += 1
+            for name, seconds in stats.phases.items():
+                self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def ms_per_step(self) -> dict[str, float]:
+        return (
+            {name: seconds / self.steps * 1e3 for name, seconds in self.totals.items()} if self.steps else {}
+        )

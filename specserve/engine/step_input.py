@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ import torch
 from specserve.attention.backend import AttentionBatch
 from specserve.engine.request import FUTURE_TOKEN, Request
 from specserve.engine.scheduler import ScheduledItem
+
+if TYPE_CHECKING:  # it builds on `item_forest` below
+    from specserve.engine.recurrent_batch import RecurrentBatch
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class StepInput:
     graphed: bool = False
     # Ancestor entries of the tree mask packed after the sample rows; -1: no custom mask.
     mask_entries: int = -1
+    # A hybrid model's Mamba-2 layout (`specserve.engine.recurrent_batch`), set by the engine; rank 0 only.
+    recurrent: RecurrentBatch | None = None
 
     def layout(self) -> list[int]:
         """The sizes (STEP_LAYOUT_LEN ints) that rebuild this step's device tensors from `packed`."""
@@ -135,7 +141,7 @@ def build_step_input(
     forest: list[np.ndarray | None] = []
     for index, item in enumerate(items):
         req, offset = item.request, len(ids)
-        forest.append(_item_forest(item))
+        forest.append(item_forest(item))
         ids.extend(req.token_ids[item.start : item.start + item.num_known])
         if ids[-1] == FUTURE_TOKEN:
             ids[-1] = -1 - future[req.request_id]
@@ -188,7 +194,7 @@ def build_step_input(
     )
 
 
-def _item_forest(item: ScheduledItem) -> np.ndarray | None:
+def item_forest(item: ScheduledItem) -> np.ndarray | None:
     """An item verifying a draft tree as a forest over its tokens (None: a causal chain): the known
     tokens in a chain, then the first len(item.draft) tree nodes under the last of them."""
     tree = item.request.draft_tree

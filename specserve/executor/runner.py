@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from specserve.attention.backend import AttentionBackend
 from specserve.engine.kv_cache import KVCache
+from specserve.engine.state_pool import StatePool
 from specserve.engine.step_input import (
     STEP_LAYOUT_LEN,
     StepInput,
@@ -47,8 +48,10 @@ class ModelRunner:
         backend: AttentionBackend,
         kv_cache: KVCache,
         graphs: CudaGraphs | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.model, self.backend, self.kv_cache, self.graphs = model, backend, kv_cache, graphs
+        self.states = states  # a hybrid model's recurrent state (its steps carry `recurrent`)
 
     @property
     def graph_buckets(self) -> GraphBuckets | None:
@@ -64,7 +67,13 @@ class ModelRunner:
         if future is not None:
             resolve_future_ids(step.input_ids, future)
         ctx = self.backend.prepare(step.attention, self.kv_cache)
-        hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture)
+        if self.states is None:
+            hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture)
+        else:
+            if step.recurrent is None:
+                raise ValueError("a hybrid model's step needs its recurrent layout (Engine.build_input)")
+            states = self.states.context(step.recurrent)
+            hidden, aux = self.model.forward_features(step.input_ids, step.positions, ctx, capture, states)
         return hidden, aux, self.model.compute_logits(hidden[step.logit_rows])
 
     def move_kv(self, src: list[int], dst: list[int], segments: list[int]) -> None:
@@ -140,10 +149,13 @@ def make_runner(
     kv_cache: KVCache,
     tp: TPInfo,
     graphs: CudaGraphs | None = None,
+    states: StatePool | None = None,
 ) -> ModelRunner:
-    """A direct call at TP size 1, else rank 0's broadcasting runner."""
+    """A direct call at TP size 1, else rank 0's broadcasting runner (no recurrent states: hybrid
+    models run at TP size 1)."""
     if tp.size == 1:
-        return ModelRunner(model, backend, kv_cache, graphs)
+        return ModelRunner(model, backend, kv_cache, graphs, states)
+    assert states is None, "hybrid models run at TP size 1"
     return DriverRunner(model, backend, kv_cache, tp, graphs)
 
 

@@ -1,8 +1,9 @@
-"""The shape of a Llama-family decoder, read from an HF ``config.json`` or GGUF metadata."""
+"""The shape of a decoder, read from an HF ``config.json`` or GGUF metadata: the Llama family, and
+Bamba's hybrid (Mamba-2 layers between attention layers, `docs/hybrid-models.md`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,8 +22,35 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MambaShape:
+    """A Mamba-2 mixer (Bamba's ``mamba_*`` keys): `num_heads` heads of `head_dim` channels, each
+    with a [head_dim, state_size] recurrent state; B and C shared by groups of heads; a depthwise
+    causal convolution of width `conv_kernel` over x, B and C."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = 256  # tokens a prefill scans at once (the quadratic block of the SSD form)
+    time_step_min: float = 0.0
+    time_step_max: float = float("inf")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C."""
+        return self.inner_size + 2 * self.num_groups * self.state_size
+
+
+@dataclass(frozen=True)
 class ModelArch:
-    """Everything the forward pass needs to know about a Llama-family checkpoint."""
+    """Everything the forward pass needs to know about a checkpoint (Llama family, or Bamba's hybrid)."""
 
     vocab_size: int
     hidden_size: int
@@ -39,6 +67,10 @@ class ModelArch:
     attention_bias: bool = False  # Qwen2 puts a bias on q/k/v
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid models: the layers that attend (the others are Mamba-2 mixers of shape `mamba`).
+    attention_layers: tuple[int, ...] | None = None
+    mamba: MambaShape | None = None
+    rotary_dim: int | None = None  # leading head dims RoPE rotates (None: all of them)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -46,14 +78,38 @@ class ModelArch:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state instead of KV (`specserve/model/bamba.py`)."""
+        return self.mamba is not None
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with a KV cache: the attention layers."""
+        return self.num_layers if self.attention_layers is None else len(self.attention_layers)
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        """Layers with a recurrent state (none in a plain decoder)."""
+        if self.mamba is None:
+            return ()
+        attends = set(self.attention_layers or ())
+        return tuple(i for i in range(self.num_layers) if i not in attends)
+
 
 # --- HF config.json -------------------------------------------------------------------------------
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_HF_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "BambaForCausalLM",
+)
 _HF_ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 
@@ -64,6 +120,12 @@ def arch_from_hf_config(cfg: dict, architecture: str | None = None) -> ModelArch
     and the like, but their decoder layers are Llama layers)."""
     name = architecture or _hf_architecture(cfg)
     _refuse_unsupported_features(name, cfg)
+    if name == "BambaForCausalLM":
+        return _bamba_arch(cfg)
+    return _decoder_arch(name, cfg)
+
+
+def _decoder_arch(name: str, cfg: dict) -> ModelArch:
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
     rope_theta, rope_scaling = _hf_rope(cfg)
@@ -86,6 +148,57 @@ def arch_from_hf_config(cfg: dict, architecture: str | None = None) -> ModelArch
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
     )
+
+
+def _bamba_arch(cfg: dict) -> ModelArch:
+    """Bamba (ibm-ai-platform/Bamba-9B and its HF port): Llama attention with half the head dims
+    rotated at `attn_layer_indices`, a Mamba-2 mixer at each remaining layer, a SwiGLU MLP after each."""
+    name = "BambaForCausalLM"
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{name}: attention_bias=True is not supported")
+    base = _decoder_arch(name, cfg)
+    hidden, layers = base.hidden_size, base.num_layers
+    attends = tuple(sorted(set(cfg.get("attn_layer_indices") or ())))
+    if any(not 0 <= i < layers for i in attends):
+        raise ValueError(f"{name}: attn_layer_indices {list(attends)} outside the {layers} layers")
+    if not attends:  # the KV pool is sized per attention layer
+        raise ValueError(
+            f"{name}: attn_layer_indices is empty; models without attention layers are not supported"
+        )
+    heads = cfg.get("mamba_n_heads") or 128
+    inner = (cfg.get("mamba_expand") or 2) * hidden
+    head_dim = cfg.get("mamba_d_head")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if heads * head_dim != inner:
+        raise ValueError(f"{name}: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    mamba = MambaShape(
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=cfg.get("mamba_n_groups") or 1,
+        state_size=cfg.get("mamba_d_state") or 256,
+        conv_kernel=cfg.get("mamba_d_conv") or 4,
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        chunk_size=cfg.get("mamba_chunk_size") or 256,
+        time_step_min=_as_float(limit[0]),
+        time_step_max=_as_float(limit[1]),
+    )
+    if heads % mamba.num_groups:
+        raise ValueError(f"{name}: mamba_n_heads must be a multiple of mamba_n_groups")
+    # Bamba rotates half of each head (transformers hard-codes partial_rotary_factor 0.5; the
+    # original checkpoints write `attn_rotary_emb`, the rotated dims).
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 0.5
+    rotary = cfg.get("attn_rotary_emb") or int(base.head_dim * factor)
+    return replace(base, attention_layers=attends, mamba=mamba, rotary_dim=rotary)
+
+
+def _as_float(value) -> float:
+    """A float from config.json, where transformers 5 writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(value, dict):
+        value = value.get("__float__")
+    return float(value)
 
 
 def _hf_architecture(cfg: dict) -> str:

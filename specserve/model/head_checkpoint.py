@@ -291,7 +291,9 @@ def save_head(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor]
 
 def _head_arch(method: str, target: ModelArch, layers: int, modules: int) -> ModelArch:
     count = {"eagle": layers, "eagle3": 1, "mtp": modules}[method]
-    return replace(target, num_layers=count, tie_word_embeddings=False, attention_bias=False)
+    # A head's layers are Llama layers whatever the target (a hybrid's recurrent layout stays behind).
+    plain = dict(attention_layers=None, mamba=None, rotary_dim=None)
+    return replace(target, num_layers=count, tie_word_embeddings=False, attention_bias=False, **plain)
 
 
 def _checkpoint_tensors(head: DraftHead, target_layers: int) -> dict[str, torch.Tensor]:

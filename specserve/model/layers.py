@@ -48,11 +48,14 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE from a cos/sin table indexed by each token's position."""
+    """Rotate-half RoPE from a cos/sin table indexed by each token's position; with a partial
+    `arch.rotary_dim` (Bamba) only each head's leading dims turn and the rest pass through."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.rotary_dim = arch.rotary_dim or arch.head_dim
+        self.full = self.rotary_dim == arch.head_dim  # what the fused RoPE kernels assume
+        inv_freq = rope_inv_freq(self.rotary_dim, arch.rope_theta, arch.rope_scaling)
         positions = torch.arange(arch.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
@@ -63,7 +66,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.full:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        d = self.rotary_dim
+        return tuple(torch.cat((_rotate(x[..., :d], cos, sin), x[..., d:]), dim=-1) for x in (q, k))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if ctx.fuses_rotary:
+        if ctx.fuses_rotary and rope.full:
             out = ctx.attend_rotary(self.layer, q, k, v, positions, rope)
         else:
             q, k = rope(positions, q, k)
@@ -160,7 +160,42 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+def captured_streams(
+    captured: dict[int, torch.Tensor], capture: tuple[int, ...], num_layers: int
+) -> torch.Tensor | None:
+    """The residual streams of layers `capture`, concatenated [T, len(capture) * H] (None: none asked)."""
+    if not capture:
+        return None
+    if len(captured) != len(set(capture)):
+        raise ValueError(f"capture: layer ids {capture} outside the model's {num_layers} layers")
+    return torch.cat([captured[i] for i in capture], dim=-1)
+
+
+class CausalLM(nn.Module):
+    """What every target model shares: `arch`, `model.embed_tokens`, an lm_head (tied to the
+    embedding when the checkpoint ties them), fp32 logits of chosen rows, HF-named weights."""
+
+    arch: ModelArch
+    lm_head: nn.Linear
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the checkpoint ties them (re-done after `to_empty`)."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in (q/k/v and gate/up into their stacked matmuls)."""
+        if self.arch.tie_word_embeddings:
+            tensors = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
+        optional = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
+        load_stacked_weights(self, tensors, optional)
+
+
+class LlamaForCausalLM(CausalLM):
     """forward() returns final-normed hidden states [T, hidden]; compute_logits() maps chosen rows to fp32 logits.
 
     Under TP (`tp.size > 1`) each rank holds its shard; every rank must run the same forward and
@@ -173,11 +208,6 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(arch)
         self.lm_head = lm_head(arch.hidden_size, arch.vocab_size, tp)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with lm_head when the checkpoint ties them (re-done after `to_empty`)."""
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
@@ -215,21 +245,4 @@ class LlamaForCausalLM(nn.Module):
                 if i in capture:
                     captured[i] = x + residual
             hidden, _ = ctx.add_rms_norm(x, residual, self.model.norm.weight, self.model.norm.eps)
-        if not capture:
-            return hidden, None
-        if len(captured) != len(set(capture)):
-            raise ValueError(
-                f"capture: layer ids {capture} outside the model's {len(self.model.layers)} layers"
-            )
-        return hidden, torch.cat([captured[i] for i in capture], dim=-1)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in (q/k/v and gate/up into their stacked matmuls)."""
-        if self.arch.tie_word_embeddings:
-            tensors = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
-        optional = ("lm_head.weight",) if self.arch.tie_word_embeddings else ()
-        load_stacked_weights(self, tensors, optional)
+        return hidden, captured_streams(captured, capture, len(self.model.layers))

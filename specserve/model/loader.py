@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specserve.assets import ModelLocation, resolve_model
 from specserve.model.arch import ModelArch
+from specserve.model.bamba import BambaForCausalLM
 from specserve.model.checkpoint import load_checkpoint
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.parallel import NO_TP, TPInfo
@@ -19,7 +20,7 @@ from specserve.model.tokenizer import eos_token_ids, load_tokenizer
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | BambaForCausalLM
     arch: ModelArch
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: tuple[int, ...]
@@ -53,7 +54,7 @@ def build_model(
     arch: ModelArch, tensors, device: torch.device, dtype: torch.dtype, tp: TPInfo = NO_TP
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, tp)
+        model = BambaForCausalLM(arch, tp) if arch.is_hybrid else LlamaForCausalLM(arch, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     model.load_weights(tensors)

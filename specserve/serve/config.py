@@ -221,7 +221,11 @@ class ServeConfig(BaseModel):
     max_queued_requests: int = Field(
         256, ge=0, description="Admitted requests waiting for a running slot per replica; beyond it, 429."
     )
-    enable_prefix_cache: bool = Field(True, description="Reuse KV pages of shared prompt prefixes.")
+    enable_prefix_cache: bool | None = Field(
+        None,
+        description="Reuse KV pages of shared prompt prefixes (null: on, except for hybrid Mamba-2 models, "
+        "where it is off and true is refused).",
+    )
     stream_messages_per_s: float | None = Field(
         500.0,
         gt=0,

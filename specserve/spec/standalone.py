@@ -37,6 +37,11 @@ class StandaloneDrafter(Drafter):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        if draft.arch.is_hybrid:
+            raise ValueError(
+                "speculative.draft_model: a hybrid (Mamba-2) model cannot draft; the standalone drafter "
+                "keeps only a KV cache (use a Llama-family draft model)"
+            )
         if draft.arch.vocab_size != target_vocab:
             raise ValueError(
                 f"speculative.draft_model: its vocabulary ({draft.arch.vocab_size}) differs from "

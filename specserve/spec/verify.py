@@ -47,6 +47,11 @@ def verify_chains(
     batch = SamplingBatch.build(rows, logits.device)
     if not any(drafts):
         return [[t] for t in sample(logits, batch, banned).tolist()]
+    if batch.all_greedy:
+        # p is one-hot at the argmax: a draft survives iff it is the argmax, and the argmax is every
+        # rejected row's residual and the bonus. The same outcome as the rule below, without its
+        # [R, V] probabilities and noise (which cost more than the whole forward at batch 16).
+        return _greedy_chains(sample(logits, batch, banned).tolist(), drafts)
     device = logits.device
     counts = [len(d) for d in drafts]
     flat = [t for chain in drafts for t in (*chain, 0)]
@@ -84,6 +89,20 @@ def verify_chains(
     )
     tokens, accepted = tokens.tolist(), accepted.tolist()
     return [row[: a + 1] for row, a in zip(tokens, accepted, strict=True)]
+
+
+def _greedy_chains(argmax: list[int], drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each chain's emitted tokens from the argmax of its rows: the drafts while they match, then
+    the argmax at the first mismatch (or the bonus row)."""
+    out, row = [], 0
+    for chain in drafts:
+        best = argmax[row : row + len(chain) + 1]
+        accepted = 0
+        while accepted < len(chain) and chain[accepted] == best[accepted]:
+            accepted += 1
+        out.append(best[: accepted + 1])
+        row += len(chain) + 1
+    return out
 
 
 def _starts(counts: list[int]) -> list[int]:

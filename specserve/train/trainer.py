@@ -6,8 +6,10 @@ the head folder exported beside it. Started again on the same `out`, it resumes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,12 +147,13 @@ def train_head(
         batch = make_batch(samples, batches[done.batch], cfg.max_len, device)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * _lr_factor(cfg, done)
-        with autocast:
-            result = unrolled_loss(head, target, batch, cfg.steps, cfg.decay, t2d)
-        optimizer.zero_grad(set_to_none=True)
-        result.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
+        with _profiled(done.step, log):
+            with autocast:
+                result = unrolled_loss(head, target, batch, cfg.steps, cfg.decay, t2d)
+            optimizer.zero_grad(set_to_none=True)
+            result.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
         losses.append(float(result.loss.detach()))
         done = Progress(
             step=done.step + 1,
@@ -178,6 +181,25 @@ def train_head(
         result.step_losses if result else (),
         result.step_accuracy if result else (),
     )
+
+
+@contextlib.contextmanager
+def _profiled(step: int, log):
+    """SPECSERVE_TRAIN_PROFILE=N: step N (0-based, after warm-up) runs under torch.profiler and its
+    table is logged, to see where a training step's time goes on the GPU."""
+    wanted = os.environ.get("SPECSERVE_TRAIN_PROFILE")
+    if wanted is None or int(wanted) != step:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    with profile(activities=activities) as prof:
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    log(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60))
 
 
 def _finished(cfg: TrainConfig, done: Progress) -> bool:
