@@ -184,6 +184,24 @@ def test_greedy_is_lossless_across_switches(target, plain, heads, method, page_s
         assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
 
 
+def test_hybrid_model_is_lossless_across_switches(smollm2_gguf, tmp_path):
+    """A hybrid (Mamba-2) target: recurrent states committed per verify, plain steps overlapped, trees
+    and chains and off in turn; no start-up profile (costs are learnt from its steps)."""
+    from tiny_models import save_tiny_bamba
+
+    folder = save_tiny_bamba(tmp_path / "bamba", load_tokenizer(smollm2_gguf), VOCAB)
+    hybrid = load_model(str(folder), torch.device("cpu"), torch.float32)
+    plain = LLM(hybrid, device="cpu", dtype="float32", max_total_tokens=4096)
+    spec = {"method": "ngram", "num_steps": 4, "topk": 4, "num_draft_tokens": 8, "adaptive": True}
+    llm = LLM(hybrid, device="cpu", dtype="float32", max_total_tokens=4096, speculative=spec)
+    assert not llm.engine.adaptive.costs.measured()
+    chosen = _cycle_tiers(llm.engine, seed=5)
+    prompts = motif_prompts(4, VOCAB, seed=11)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert OFF in chosen and {t.topk for t in chosen if not t.off} == {1, 4}
+
+
 @pytest.mark.parametrize("method", ["eagle", "mtp"])
 def test_head_drafts_after_plain_steps_equal_a_from_scratch_computation(target, heads, method):
     """A head skips its extend on steps without drafting (the features wait in a backlog, or are
