@@ -49,6 +49,7 @@ class BenchRow:
     accept_length: float | None = None  # completion tokens per verify step, with speculation
     # host ms per engine step by phase (`step`: the whole step; `draft`, `target`, `postprocess`)
     step_ms: dict[str, float] | None = None
+    tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
         batch = prompts[:b]
         for name, engine in engines.items():
             runs = [_time_engine(engine, batch, args.max_new_tokens) for _ in range(args.repeats)]
-            seconds, accept, step_ms = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median
-            rows.append(_row(name, b, args.max_new_tokens, seconds, accept, step_ms))
+            run = sorted(runs, key=lambda run: run[0])[len(runs) // 2]  # the median
+            rows.append(_row(name, b, args.max_new_tokens, *run))
         if hf is not None:
             rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
             if b == 1:
@@ -244,8 +245,10 @@ def _row(
     seconds: float,
     accept: float | None = None,
     step_ms: dict[str, float] | None = None,
+    tiers: dict[str, int] | None = None,
 ) -> BenchRow:
-    return BenchRow(system, batch, new_tokens, seconds, batch * new_tokens / seconds, accept, step_ms)
+    tokens_per_s = batch * new_tokens / seconds
+    return BenchRow(system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers)
 
 
 def _sync(device: torch.device) -> None:
@@ -255,9 +258,13 @@ def _sync(device: torch.device) -> None:
 
 def _time_engine(
     llm, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float | None, dict[str, float]]:
-    """Seconds of one run, its accept length (None without speculation) and host ms per step by phase."""
+) -> tuple[float, float | None, dict[str, float], dict[str, int] | None]:
+    """Seconds of one run, its accept length (None without speculation), host ms per step by phase,
+    and with adaptive speculation the steps each tier ran. The adaptive policy keeps what it learnt
+    from run to run, as a server would."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    adaptive = llm.engine.adaptive
+    before = dict(adaptive.tier_steps) if adaptive is not None else {}
     llm.engine.flush_cache()  # no prefix reuse between runs
     phases = PhaseTotals()
     llm.engine.attach_stats_sink(phases)
@@ -271,7 +278,11 @@ def _time_engine(
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
     verify_steps = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
-    return seconds, (len(outs) * new_tokens / verify_steps if verify_steps else None), phases.ms_per_step()
+    accept = len(outs) * new_tokens / verify_steps if verify_steps else None
+    if adaptive is None:
+        return seconds, accept, phases.ms_per_step(), None
+    tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}
+    return seconds, accept, phases.ms_per_step(), {name: n for name, n in tiers.items() if n}
 
 
 def _load_hf(llm):
@@ -327,6 +338,7 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
         "accept len",
         "x plain",
         "ms/step (draft/target)",
+        "steps per tier",
     ]
     body = [
         [
@@ -338,6 +350,7 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
             f"{r.accept_length:.2f}" if r.accept_length else "-",
             f"{r.tokens_per_s / plain[r.batch_size]:.2f}",
             _step_cell(r.step_ms),
+            " ".join(f"{name}:{n}" for name, n in r.tier_steps.items()) if r.tier_steps else "-",
         ]
         for r in rows
     ]

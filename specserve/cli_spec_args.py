@@ -1,8 +1,10 @@
 """The speculative-decoding flags `generate` and `bench` share, and the config they make.
 
-`--speculative/--num-steps/--topk/--num-draft-tokens/--draft-model` name one configuration; `bench`
-also takes `--spec` specs (`METHOD[:SHAPE[:DRAFT_MODEL]]`, repeatable) to compare several in one run,
-where SHAPE is NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree).
+`--speculative/--num-steps/--topk/--num-draft-tokens/--draft-model` name one configuration, and
+`--adaptive` lets adaptive speculation pick among shapes up to it every step; `bench` also takes
+`--spec` specs (`METHOD[:SHAPE[:DRAFT_MODEL]]`, repeatable) to compare several in one run, where SHAPE
+is NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree), and `adaptive` or
+`adaptive-SHAPE` the adaptive configuration over the default tiers up to that shape.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 from specserve.config import SPEC_METHODS, SpeculativeConfig
 
 DEFAULT_NUM_STEPS = 4
+ADAPTIVE_NUM_STEPS = 8  # the longest chain of `METHOD:adaptive` (shorter ones and none are tiers too)
 DEFAULT_MODEL = "smollm2-135m-instruct"  # what every command serves without --model
 
 
@@ -39,32 +42,48 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="standalone: a smaller model (asset, .gguf or HF folder); eagle/eagle3/mtp: the head's HF folder",
     )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="adaptive speculation: each step picks the draft shape up to the one configured (or none) "
+        "of most predicted tokens per second; without --speculative, the default drafter's",
+    )
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict | None:
-    if not args.speculative:
+    adaptive = getattr(args, "adaptive", False)
+    method = args.speculative or ("default" if adaptive else None)
+    if not method:
         return None
-    if args.speculative == "default":  # its own num_steps and draft model
+    if method == "default":  # its own num_steps and draft model
         from specserve.default_drafter import default_speculative
 
-        return default_speculative(getattr(args, "model", None) or DEFAULT_MODEL)
-    spec = {"method": args.speculative, "num_steps": args.num_steps}
+        spec = default_speculative(getattr(args, "model", None) or DEFAULT_MODEL)
+        return {**spec, "adaptive": True} if adaptive else spec
+    spec = {"method": method, "num_steps": args.num_steps}
     if args.topk != 1:
         spec["topk"] = args.topk
     if args.num_draft_tokens is not None:
         spec["num_draft_tokens"] = args.num_draft_tokens
     if args.draft_model:
         spec["draft_model"] = args.draft_model
+    if adaptive:
+        spec["adaptive"] = True
     return spec
 
 
 def parse_spec(text: str) -> dict:
     """`METHOD[:SHAPE[:DRAFT_MODEL]]` (e.g. `ngram:4`, `ngram:6x8x64`, `eagle3:5:heads/llama3-eagle3`)
-    as a validated speculative config mapping; SHAPE is NUM_STEPS[xTOPK[xNUM_DRAFT_TOKENS]]. An
-    argparse type, so a bad spec is a usage error."""
+    as a validated speculative config mapping; SHAPE is NUM_STEPS[xTOPK[xNUM_DRAFT_TOKENS]], or
+    `adaptive` / `adaptive-SHAPE` (e.g. `ngram:adaptive-8`): adaptive speculation over the default
+    tiers up to that shape (default ADAPTIVE_NUM_STEPS). An argparse type, so a bad spec is a usage
+    error."""
     method, _, rest = text.partition(":")
     shape, _, draft = rest.partition(":")  # the draft path keeps any further colons
     spec: dict = {"method": method, "num_steps": DEFAULT_NUM_STEPS}
+    if shape == "adaptive" or shape.startswith("adaptive-"):
+        spec.update(num_steps=ADAPTIVE_NUM_STEPS, adaptive=True)
+        shape = shape.removeprefix("adaptive").removeprefix("-")
     if shape:
         try:
             numbers = [int(part) for part in shape.split("x")]
@@ -86,14 +105,15 @@ def parse_spec(text: str) -> dict:
 
 def spec_name(spec: dict | None) -> str:
     """A system's name in bench reports: `specserve` (plain), `specserve-METHOD-NUM_STEPS` (a chain)
-    or `specserve-METHOD-NUM_STEPSxTOPKxNUM_DRAFT_TOKENS` (a tree)."""
+    or `specserve-METHOD-NUM_STEPSxTOPKxNUM_DRAFT_TOKENS` (a tree); `-adaptive` appended when the
+    shape is adaptive speculation's largest."""
     if spec is None:
         return "specserve"
     config = SpeculativeConfig.from_value(spec)
     shape = str(config.num_steps)
     if config.topk > 1:
         shape += f"x{config.topk}x{config.draft_tokens}"
-    return f"specserve-{config.method}-{shape}"
+    return f"specserve-{config.method}-{shape}" + ("-adaptive" if config.adaptive is not None else "")
 
 
 def draft_slots(spec: dict | None) -> int:

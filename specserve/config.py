@@ -74,6 +74,120 @@ MAX_DRAFT_TOKENS = 256
 
 
 @dataclass(frozen=True)
+class AdaptiveConfig:
+    """Adaptive speculation (`specserve/spec/adaptive.py`): each step runs the tier of most predicted
+    accepted tokens per second. `tiers`: draft shapes (num_steps, topk, num_draft_tokens), (0, 1, 0)
+    being speculation off; None: off, chains of 1, 2, 4, ... up to the configured num_steps, and the
+    configured tree (`default_tiers`). Every tier must fit the configured shape (its KV slots and
+    CUDA graphs are sized by it). The rest tune the policy, the acceptance estimates and the cost
+    tables (`AdaptiveSettings` in `specserve/serve/config.py` describes each)."""
+
+    tiers: tuple[tuple[int, int, int], ...] | None = None
+    hysteresis: float = 0.05
+    patience: int = 3
+    probe_every: int = 32
+    min_reach: float = 0.05
+    request_alpha: float = 0.1
+    pooled_alpha: float = 0.02
+    prior: float = 0.7
+    prior_strength: float = 2.0
+    cost_alpha: float = 0.2
+    profile: bool = True
+
+    def validate(self, spec: SpeculativeConfig) -> None:
+        name = "speculative.adaptive"
+        for field_name in ("hysteresis", "min_reach", "request_alpha", "pooled_alpha", "prior"):
+            value = getattr(self, field_name)
+            _require(_is_number(value), f"{name}.{field_name}", "must be a number")
+        for field_name in ("prior_strength", "cost_alpha"):
+            _require(_is_number(getattr(self, field_name)), f"{name}.{field_name}", "must be a number")
+        _require(0 <= self.hysteresis <= 10, f"{name}.hysteresis", "must be in [0, 10]")
+        for field_name in ("patience", "probe_every"):
+            value = getattr(self, field_name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"{name}.{field_name}",
+                "must be an integer >= 1",
+            )
+        _require(0 <= self.min_reach < 1, f"{name}.min_reach", "must be in [0, 1)")
+        for field_name in ("request_alpha", "pooled_alpha"):
+            _require(0 < getattr(self, field_name) <= 1, f"{name}.{field_name}", "must be in (0, 1]")
+        _require(0 < self.prior < 1, f"{name}.prior", "must be in (0, 1)")
+        _require(self.prior_strength > 0, f"{name}.prior_strength", "must be > 0")
+        _require(0 <= self.cost_alpha <= 1, f"{name}.cost_alpha", "must be in [0, 1] (0: keep the profile)")
+        _require(isinstance(self.profile, bool), f"{name}.profile", "must be true or false")
+        if self.tiers is None:
+            return
+        _require(len(self.tiers) > 0, f"{name}.tiers", "must name at least one tier (or be null)")
+        for steps, topk, nodes in self.tiers:
+            shape = f"{steps}x{topk}x{nodes}"
+            _require(
+                (steps, topk, nodes) == (0, 1, 0) or (steps >= 1 and nodes >= 1),
+                f"{name}.tiers",
+                f"{shape}: a tier is (0, 1, 0) (off) or has num_steps and num_draft_tokens >= 1",
+            )
+            _require(
+                steps <= spec.num_steps and topk <= spec.topk and nodes <= spec.draft_tokens,
+                f"{name}.tiers",
+                f"{shape} exceeds the configured shape {spec.num_steps}x{spec.topk}x{spec.draft_tokens} "
+                "(raise speculative.num_steps / topk / num_draft_tokens)",
+            )
+            _require(
+                topk != 1 or nodes == steps,
+                f"{name}.tiers",
+                f"{shape}: a chain (topk 1) verifies num_steps tokens",
+            )
+
+    @classmethod
+    def from_value(cls, value: AdaptiveConfig | Mapping | bool | None) -> AdaptiveConfig | None:
+        """Accept a config, a mapping of its fields (tiers as [num_steps, topk, num_draft_tokens]
+        triples or "NUM_STEPS[xTOPKxNUM_DRAFT_TOKENS]" / "off" strings), true (the defaults), or
+        false / null (off)."""
+        if value is None or value is False:
+            return None
+        if isinstance(value, AdaptiveConfig):
+            return value
+        if value is True:
+            return cls()
+        _require(isinstance(value, Mapping), "speculative.adaptive", "must be true, false, null or a mapping")
+        fields = dict(value)
+        _require_known(fields, cls, "speculative.adaptive")
+        if fields.get("tiers") is not None:
+            tiers = fields["tiers"]
+            _require(
+                isinstance(tiers, (list, tuple)), "speculative.adaptive.tiers", "must be a list of tiers"
+            )
+            fields["tiers"] = tuple(_tier_shape(t) for t in tiers)
+        return cls(**fields)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _tier_shape(value: object) -> tuple[int, int, int]:
+    """A tier as (num_steps, topk, num_draft_tokens): from "off", "4", "4x4x16", 4 or [4, 4, 16]."""
+    name = "speculative.adaptive.tiers"
+    if value == "off" or value == 0:
+        return (0, 1, 0)
+    if isinstance(value, str):
+        try:
+            value = [int(part) for part in value.split("x")]
+        except ValueError:
+            raise ValueError(
+                f"{name}: {value!r} is not 'off', NUM_STEPS or NUM_STEPSxTOPKxNUM_DRAFT_TOKENS"
+            ) from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    ok = isinstance(value, (list, tuple)) and len(value) in (1, 3)
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    _require(ok, name, f"{value!r}: a tier is 'off', NUM_STEPS, or [num_steps, topk, num_draft_tokens]")
+    if len(value) == 1:
+        return (0, 1, 0) if value[0] == 0 else (value[0], 1, value[0])
+    return (value[0], value[1], value[2])
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a drafter proposes `num_steps` tokens (a chain, topk 1) or a tree of
     `num_draft_tokens` nodes up to `num_steps` deep with `topk` candidates a node; one target pass
@@ -89,6 +203,8 @@ class SpeculativeConfig:
     # standalone: a smaller model with the target's tokenizer (asset name, .gguf or HF folder);
     # eagle / eagle3 / mtp: the HF folder of the head (layouts in specserve/model/head_checkpoint.py)
     draft_model: str | None = None
+    # Adaptive speculation: None runs the shape above every step.
+    adaptive: AdaptiveConfig | None = None
 
     def validate(self) -> None:
         _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {list(SPEC_METHODS)}")
@@ -130,6 +246,8 @@ class SpeculativeConfig:
             "speculative.ngram_min_match",
             "must be >= 1 and <= ngram_max_match",
         )
+        if self.adaptive is not None:
+            self.adaptive.validate(self)
 
     @property
     def draft_tokens(self) -> int:
@@ -143,19 +261,22 @@ class SpeculativeConfig:
         cls, value: SpeculativeConfig | dict | str | None, model: str | None = None
     ) -> SpeculativeConfig | None:
         """Accept a config, a dict of its fields, a method name, or "default": the drafter shipped
-        for target `model` (specserve/default_drafter.py)."""
+        for target `model` (specserve/default_drafter.py; as a dict's method, the dict's other
+        settings apply to it, e.g. `{"method": "default", "adaptive": true}`)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if value == "default":
+        if value == "default" or (isinstance(value, dict) and value.get("method") == "default"):
             from specserve.default_drafter import default_speculative
 
-            value = default_speculative(model)
+            # {"method": "default", ...}: the shipped drafter, with the other settings given
+            rest = {k: v for k, v in value.items() if k != "method"} if isinstance(value, dict) else {}
+            value = {**default_speculative(model), **rest}
         if isinstance(value, str):
             return cls(method=value)
         if not isinstance(value, dict):
             raise ValueError("speculative: must be null, a method name or a mapping of settings")
         _require_known(value, cls, "speculative")
-        return cls(**value)
+        return cls(**{**value, "adaptive": AdaptiveConfig.from_value(value.get("adaptive"))})
 
 
 @dataclass(frozen=True)
@@ -173,7 +294,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64  # the largest batch bucket captured
     # Overlap scheduling: the host schedules and launches step n+1 before collecting step n's tokens
-    # (None: on without speculative decoding at TP size 1; not available with it yet).
+    # (None: on without speculative decoding at TP size 1, and for adaptive speculation's plain steps
+    # when its drafter reads no target features (n-gram, standalone); not available otherwise yet).
     overlap_schedule: bool | None = None
     seed: int = 0
     # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).

@@ -29,6 +29,8 @@ class LLM:
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
     (e.g. `{"method": "ngram", "num_steps": 4}`), a method name, or "default": the draft head
     trained for the model when one ships with specserve (docs/draft-training.md), else n-gram.
+    `"adaptive": True` (or a dict of `AdaptiveConfig` settings) in it picks the draft shape, or none,
+    every step (docs/speculative.md); `speculative={"adaptive": True}` adapts n-gram drafting.
 
     An LLM is one process (tensor-parallel size 1). A tensor-parallel engine is an
     `Engine(EngineConfig(..., tp_size=N), tp=...)` on rank 0 of a group whose other ranks run

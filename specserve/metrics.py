@@ -127,6 +127,15 @@ SPEC_EMA_ACCEPT_LENGTH = _gauge(
     "specserve_spec_ema_accept_length",
     f"Moving average of the accept length: alpha {EMA_ALPHA} per step, over the step's mean.",
 )
+SPEC_PREDICTED_GOODPUT = _gauge(
+    "specserve_spec_predicted_goodput_tokens_per_second",
+    "Adaptive speculation: output tokens per second the policy predicted for the tier it chose "
+    "(at the last step with decoding requests).",
+)
+SPEC_MEASURED_GOODPUT = _gauge(
+    "specserve_spec_measured_goodput_tokens_per_second",
+    "Adaptive speculation: output tokens per second of engine steps, a moving average over steps.",
+)
 HTTP_REQUESTS = _counter(
     "specserve_http_requests_total", "HTTP requests by route template and status code.", "route", "status"
 )
@@ -163,6 +172,8 @@ ENGINE_METRICS = (
     SPEC_TOPK,
     SPEC_NUM_DRAFT_TOKENS,
     SPEC_EMA_ACCEPT_LENGTH,
+    SPEC_PREDICTED_GOODPUT,
+    SPEC_MEASURED_GOODPUT,
 )
 FLEET_METRICS = (REPLICA_UP, AUTOSCALING_TARGET)
 ALL_METRICS = (*ENGINE_METRICS, HTTP_REQUESTS, *FLEET_METRICS)
@@ -223,6 +234,10 @@ class EngineMetrics(_Registry):
         self.child(WAITING).set(stats.num_waiting)
         self.child(KV_USAGE).set(stats.kv_usage)
         self._set_spec(stats.spec)
+        if stats.predicted_goodput is not None:
+            self.child(SPEC_PREDICTED_GOODPUT).set(stats.predicted_goodput)
+        if stats.measured_goodput is not None:
+            self.child(SPEC_MEASURED_GOODPUT).set(stats.measured_goodput)
 
     def _count(self, stats: StepStats) -> None:
         for metric, value in (

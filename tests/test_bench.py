@@ -127,3 +127,27 @@ def test_plot_writes_a_png(tmp_path):
     points = [("specserve", 1, 10.0), ("specserve", 16, 120.0), ("hf-generate-prompt-lookup", 1, 12.0)]
     assert plot_throughput(points, tmp_path / "sub" / "p.png", "title")
     assert (tmp_path / "sub" / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mixed_prompts_pick_code_edits_and_summaries_by_rule(tmp_path):
+    from specserve.bench_data import is_code_edit, is_summary, mixed_texts, prompt_texts, write_prompts
+
+    code = "Please fix this function:\n```python\ndef f(x):\n    return x +\n```\n" + "# context\n" * 30
+    lines = "Refactor it.\n" + "\n".join(["def a():", "import os", "return 1"]) + "\n" + "x = 1\n" * 60
+    summary = "Summarize the following article.\n\n" + "The quick brown fox jumps. " * 50
+    chat = ["What is a KV cache?", "Write a poem about the sea.", "summary please", "```print(1)```"]
+    assert is_code_edit(code) and is_code_edit(lines) and not is_code_edit("```print(1)``` fix it")
+    assert is_summary(summary) and not is_summary("summary please") and not is_summary(code)
+    sharegpt = [chat[1], code, summary, chat[2], lines, chat[3]]
+    mixed = mixed_texts(["question one", "question two"], sharegpt, seed=0, per_kind=1)
+    assert sorted(mixed) == sorted(
+        ["question one", "question two", code, summary]
+    )  # the first of each kind, in ShareGPT order
+    assert mixed == mixed_texts(["question one", "question two"], sharegpt, seed=0, per_kind=1)
+    assert {
+        tuple(mixed_texts(["question one", "question two"], sharegpt, seed=s, per_kind=1)) for s in range(6)
+    } != {tuple(mixed)}
+    path = write_prompts(mixed, tmp_path / "mixed.jsonl.gz")  # what a machine without the wheels gets
+    assert prompt_texts(str(path)) == mixed
+    with pytest.raises(ValueError, match="dataset: 'nope' is neither"):
+        prompt_texts("nope")

@@ -90,6 +90,7 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--max-new-tokens", "4"]
     argv += ["--device", "cpu", "--hf", "--spec", "ngram:3", "--spec", "ngram:3x2x4", "--out", str(out)]
+    argv += ["--spec", "ngram:adaptive-3"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["attention_backend"] == "torch"  # auto on the CPU
@@ -100,7 +101,13 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     assert set(rows) == {
         *(
             (s, b)
-            for s in ("specserve", "specserve-ngram-3", "specserve-ngram-3x2x4", "hf-generate")
+            for s in (
+                "specserve",
+                "specserve-ngram-3",
+                "specserve-ngram-3x2x4",
+                "specserve-ngram-3-adaptive",
+                "hf-generate",
+            )
             for b in (1, 3)
         ),
         ("hf-generate-prompt-lookup", 1),
@@ -114,6 +121,10 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     assert spec_steps["step"] >= spec_steps["draft"] > 0 and spec_steps["target"] > 0
     assert plain_steps["step"] > 0 and "draft" not in plain_steps
     assert rows[("hf-generate", 3)]["step_ms"] is None
+    # adaptive speculation: the steps each tier ran (a request's first token comes from its prefill)
+    tiers = rows[("specserve-ngram-3-adaptive", 1)]["tier_steps"]
+    assert set(tiers) <= {"off", "1", "2", "3"} and 1 <= sum(tiers.values()) <= 3
+    assert rows[("specserve-ngram-3", 1)]["tier_steps"] is None
     printed = capsys.readouterr().out
     assert "ms/step (draft/target)" in printed
     assert "tok/s" in printed and "specserve-ngram-3" in printed

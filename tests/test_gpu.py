@@ -147,3 +147,37 @@ def test_bf16_tree_speculation_figures(bf16_plain, mtbench_questions, method, sh
     figures = _speculative_figures(bf16_plain, mtbench_questions, spec)
     _report(f"bf16_{method}_{num_steps}x{topk}x{nodes}_vs_plain", figures)
     assert figures["first_tokens_agree"] and figures["accept_length"] > 1.0
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_bf16_adaptive_speculation(bf16_plain, mtbench_questions, method, tmp_path):
+    """Adaptive speculation on the GPU: a CUDA-graph bucket for every tier's query length, each
+    profiled at start-up (graph replays at every batch bucket); greedy outputs against plain decoding
+    as for static speculation; report the steps each tier ran, the cost table and the match rate."""
+    loaded = bf16_plain.engine.loaded
+    spec = {"method": method, "num_steps": 8, "adaptive": True}
+    if method == "eagle":
+        config, tensors = random_head(method, loaded.arch, seed=3, init_std=0.02)
+        spec["draft_model"] = str(save_head(tmp_path / method, config, tensors))
+    llm = LLM(loaded, device="cuda", dtype="bfloat16", max_total_tokens=16384, speculative=spec)
+    engine, adaptive = llm.engine, llm.engine.adaptive
+    buckets = engine.runner.graph_buckets
+    assert buckets is not None and {t.query_len for t in adaptive.tiers} <= set(buckets.query_lens)
+    measured = adaptive.costs.measured()
+    assert {("verify", b, t.query_len) for b in buckets.batch_sizes for t in adaptive.tiers} <= set(measured)
+    prompts = _prompts(bf16_plain, mtbench_questions)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    a, b = bf16_plain.generate(prompts, params), llm.generate(prompts, params)
+    figures = {
+        "identical": sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True)),
+        "prompts": len(prompts),
+        "tier_steps": {t.name: n for t, n in sorted(adaptive.tier_steps.items())},
+        "switches": adaptive.policy.switches,
+        "verify_ms_batch_8": {
+            q: round(adaptive.costs.estimate("verify", 8, q) * 1e3, 3) for q in sorted(buckets.query_lens)
+        },
+        "draft_ms_batch_8": round(adaptive.costs.estimate("draft", 8, 1) * 1e3, 3),
+        "measured_goodput": adaptive.policy.measured_goodput,
+    }
+    _report(f"bf16_adaptive_{method}", figures)
+    assert all(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True))

@@ -163,3 +163,22 @@ def test_default_tiers():
     assert default_tiers(4) == (OFF, Tier.chain(1), Tier.chain(2), Tier.chain(4))
     assert Tier(5, 4, 16) in default_tiers(5, topk=4, num_draft_tokens=16)
     assert Tier.chain(3).query_len == 4 and OFF.query_len == 1
+
+
+def test_scores_are_kept_until_the_batch_estimates_or_age_change():
+    """Off, nothing is verified: the scores of the last decision stand for the same batch, for up to
+    `rescore_every` decisions (the cost tables drift slowly); a new batch or a verify rescores."""
+    costs = _gpu_like_costs()
+    acceptance = AcceptanceTracker(4, prior=0.01)
+    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, rescore_every=4, probe_every=1000)
+    first = policy.decide(["a"])
+    assert first.tier == OFF
+    costs.profile(VERIFY, [(1, 1)], lambda b, w: 10 * MS)  # decoding got ten times dearer
+    assert [policy.decide(["a"]).predicted_goodput for _ in range(3)] == [first.predicted_goodput] * 3
+    assert policy.decide(["a"]).predicted_goodput == pytest.approx(first.predicted_goodput / 10)  # aged out
+    costs.profile(VERIFY, [(1, 1)], lambda b, w: 1 * MS)
+    assert policy.decide(["a", "b"]).predicted_goodput == pytest.approx(2 * first.predicted_goodput)
+    policy.rescore_every = 1000
+    for _ in range(50):  # a verifies all its drafts now: that alone rescores
+        acceptance.observe("a", 1, drafted=4, accepted=4)
+    assert [policy.decide(["a"]).tier for _ in range(3)] == [OFF, OFF, Tier.chain(4)]

@@ -20,6 +20,8 @@ from specserve.attention.flash_backend import flash_attention_backend
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig
+from specserve.engine.adaptive_control import AdaptiveSpeculation
+from specserve.engine.cost_profile import profile_step_costs
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.logprobs import StepLogprobs, step_logprobs
@@ -42,6 +44,7 @@ from specserve.model.head_checkpoint import load_head
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import LoadedModel, load_model
 from specserve.model.parallel import NO_TP, TPInfo, head_shard
+from specserve.spec.adaptive import configured_tiers
 from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
@@ -90,8 +93,11 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.backend: AttentionBackend = attention_backend(config)
         self.drafter = self._make_drafter(draft_weights, num_pages)
-        # The speculation shape steps run with; starts as configured, may change between steps.
+        # The speculation shape steps run with; starts as configured, may change between steps
+        # (with adaptive speculation, its policy sets it every step).
         self.spec_settings = _configured_settings(config)
+        adaptive = self.drafter is not None and config.speculative.adaptive is not None
+        self.adaptive = AdaptiveSpeculation(config.speculative) if adaptive else None
         capture = self.drafter.capture if self.drafter is not None else None
         graphs = make_graphs(
             config, self.model, self.backend, self.kv_cache, self.max_model_len, capture or ()
@@ -100,6 +106,13 @@ class Engine:
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
         self._overlap = config.use_overlap() and self.drafter is None
+        # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
+        # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
+        self._overlap_off = (
+            self.adaptive is not None
+            and config.overlap_schedule is not False
+            and self.drafter.capture is None
+        )
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}
@@ -109,6 +122,8 @@ class Engine:
         self._stats = StepStats()
         self.stats_sink: StatsSink | None = None
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_one)
+        if self.adaptive is not None and config.speculative.adaptive.profile:
+            profile_step_costs(self, self.adaptive)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -159,7 +174,8 @@ class Engine:
         self._end_step([])
 
     def speculative_settings(self) -> SpecSettings:
-        return self.spec_settings
+        """The standing speculation shape (adaptive: the policy's tier, not a probe's)."""
+        return self.adaptive.settings() if self.adaptive is not None else self.spec_settings
 
     def load(self) -> dict[str, float]:
         """Cheap load figures for health checks and autoscaling: request counts and KV usage."""
@@ -185,10 +201,13 @@ class Engine:
         stats = self._stats
         stats.start_clock()
         outputs, self._pending = self._pending, []
+        if self.adaptive is not None:
+            outputs.extend(self._choose_tier())
         self._propose_drafts()
         stats.lap("draft" if self.drafter is not None else None)
         items = self.scheduler.schedule(stats)
-        if self._overlap and (items or self._inflight is not None):
+        overlap = self._overlap or (self._overlap_off and self.spec_settings.num_steps == 0)
+        if overlap and (items or self._inflight is not None):
             outputs.extend(self._step_overlapped(items, stats))
             stats.stop_clock()
         elif items:
@@ -196,6 +215,8 @@ class Engine:
             stats.stop_clock()
         else:
             stats.phases.clear()  # nothing ran: no step to time
+        if self.adaptive is not None and items:
+            self.adaptive.observe_step(items, stats)
         self._end_step(outputs)
         return outputs
 
@@ -212,7 +233,11 @@ class Engine:
         stats.lap("target")
         if capture is not None:
             feeds = _target_feeds(items, emitted, drawn_at)
-            self.drafter.after_target(feeds, hidden if aux is None else aux)
+            features = hidden if aux is None else aux
+            if self.spec_settings.num_steps > 0:
+                self.drafter.after_target(feeds, features)
+            else:  # a plain decode step: the drafter catches up when speculation resumes
+                self.drafter.skip_target(feeds, features)
             stats.lap("draft")
         records = step_logprobs(items, inp, logits, emitted, drawn_at)
         outputs = []
@@ -332,6 +357,8 @@ class Engine:
                 reason = out.finish_reason or "unknown"
                 stats.finished[reason] = stats.finished.get(reason, 0) + 1
         stats.spec = self.speculative_settings()
+        if self.adaptive is not None:
+            self.adaptive.fill(stats)
         stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         stats.kv_usage = self.kv.usage()
         self.stats_sink.record_step(stats)
@@ -442,16 +469,27 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _choose_tier(self) -> list[RequestOutput]:
+        """Adaptive speculation: this step's tier. Drafting needs every token known, so a plain step
+        still in flight (overlapped) is settled first; its outputs are returned."""
+        decoding = [req for req in self.scheduler.running if req.decoding]
+        self.spec_settings = self.adaptive.decide(decoding)
+        if self.spec_settings.num_steps == 0 or self._inflight is None:
+            return []
+        flight, self._inflight = self._inflight, None
+        return self._settle_step(flight)
+
     def _propose_drafts(self) -> None:
         """Each decoding request gets up to num_steps draft tokens (or a tree that deep), never more
-        than it may still emit."""
+        than it may still emit (with adaptive speculation, up to the steps the policy gave it)."""
         shape = self.spec_settings
         if self.drafter is None or shape.num_steps == 0:
             return
         tree = shape.topk > 1
         reqs, budgets = [], []
         for req in self.scheduler.running:
-            budget = min(shape.num_steps, self._draft_room(req)) if req.decoding else 0
+            steps = self.adaptive.steps_for(req) if self.adaptive is not None else shape.num_steps
+            budget = min(steps, self._draft_room(req)) if req.decoding else 0
             slots = self.drafter.tree_slots(budget, shape.topk, shape.num_draft_tokens) if tree else budget
             # A model drafter writes KV for its drafts: their pages must be held before it runs.
             if (
@@ -463,6 +501,8 @@ class Engine:
             if budget > 0:
                 reqs.append(req)
                 budgets.append(budget)
+                if self.adaptive is not None:
+                    self.adaptive.drafting(req, budget)
         if reqs and tree:
             self.drafter.draft_tree(reqs, budgets, shape.topk, shape.num_draft_tokens)
         elif reqs:
@@ -639,6 +679,8 @@ class Engine:
 
     def _count_verify(self, req: Request, drafted: int, accepted: int) -> None:
         self._stats.count_verify(drafted, accepted)
+        if self.adaptive is not None:
+            self.adaptive.observe_verify(req, accepted)
         req.spec_verify_ct += 1
         req.spec_draft_tokens += drafted
         req.spec_accepted_tokens += accepted
@@ -676,6 +718,8 @@ class Engine:
         out = make_output(req, text, self.token_text, delta_ids)
         if req.finished:
             del self._requests[req.request_id], self._texts[req.request_id]
+            if self.adaptive is not None:
+                self.adaptive.forget(req.request_id)
         return out
 
     def _decode_one(self, token_id: int) -> str:
@@ -732,12 +776,19 @@ def make_graphs(
     the same config, in the same order (a capture under TP runs collectives)."""
     if not config.use_cuda_graphs():
         return None
+    return CudaGraphs(model, backend, kv_cache, graph_buckets(config), max_model_len, capture)
+
+
+def graph_buckets(config: EngineConfig) -> GraphBuckets:
+    """The (batch, query len) buckets of this config's CUDA graphs: decode, and the verify shapes."""
     spec = config.speculative
     max_draft = spec.num_steps if spec is not None and spec.topk == 1 else 0
     tree_len = spec.draft_tokens + 1 if spec is not None and spec.topk > 1 else 0
+    # Adaptive speculation's shorter chains get buckets of their own (else padded to the longest).
+    tiers = configured_tiers(spec) if spec is not None and spec.adaptive is not None else ()
+    chains = tuple(t.query_len for t in tiers if t.topk == 1 and not t.off)
     max_batch = min(config.cuda_graph_max_batch, config.scheduler.max_running_requests)
-    buckets = GraphBuckets.for_engine(max_batch, max_draft, tree_len)
-    return CudaGraphs(model, backend, kv_cache, buckets, max_model_len, capture)
+    return GraphBuckets.for_engine(max_batch, max_draft, tree_len, chains)
 
 
 def local_kv_heads(arch: ModelArch, tp: TPInfo) -> int:

@@ -94,7 +94,7 @@ class KVManager:
         self.pool.release(reversed(req.pages))
         req.pages, req.page_digests = [], []
         req.num_computed = req.draft_computed = 0
-        req.draft_state = None
+        req.draft_state = req.draft_backlog = None
         if req.state_slot is not None:
             self.states.release(req.state_slot)
             req.state_slot = None

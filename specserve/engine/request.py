@@ -96,6 +96,7 @@ class Request:
     draft_tree: Any = None  # a `DraftTree` whose nodes are `draft` (tree drafting), None for a chain
     draft_computed: int = 0  # leading positions whose entries in a model drafter's own KV are valid
     draft_state: Any = None  # a drafter's per-request state (e.g. a head's hidden tails), reset with the KV
+    draft_backlog: Any = None  # target features steps without drafting left for a head's next extend
     state_slot: int | None = None  # a hybrid model's recurrent-state slot, held with the pages
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0  # drafts sent to verify

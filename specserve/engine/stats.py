@@ -36,6 +36,10 @@ class StepStats:
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1, one per verify
     phases: dict[str, float] = field(default_factory=dict)  # host seconds per step phase
     spec: SpecSettings = SpecSettings()
+    # Adaptive speculation: tokens per second the chosen tier was predicted to make, and the
+    # moving average of what steps made (None without adaptation).
+    predicted_goodput: float | None = None
+    measured_goodput: float | None = None
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0

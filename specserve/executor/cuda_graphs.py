@@ -43,12 +43,15 @@ class GraphBuckets:
     max_masked_batch: int = 0
 
     @classmethod
-    def for_engine(cls, max_batch: int, max_draft: int, tree_len: int = 0) -> GraphBuckets:
+    def for_engine(
+        cls, max_batch: int, max_draft: int, tree_len: int = 0, extra_lens: tuple[int, ...] = ()
+    ) -> GraphBuckets:
         """Batch sizes 1, 2, 4, 8, then every 8 up to `max_batch`; query len 1 (decode) and, with
         speculation, `max_draft` + 1 (chain verify) or `tree_len` (tree verify, masked, at most
-        MAX_MASKED_ROWS token rows a bucket)."""
+        MAX_MASKED_ROWS token rows a bucket); `extra_lens`: more query lens (adaptive speculation's
+        shorter chains, so a short draft is not padded to the longest)."""
         sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 8)) + [max_batch]
-        lens = (1, max_draft + 1) if max_draft > 0 else (1,)
+        lens = tuple(sorted({1, *extra_lens, *((max_draft + 1,) if max_draft > 0 else ())}))
         if tree_len > 1:
             most = max(1, min(max_batch, MAX_MASKED_ROWS // tree_len))
             return cls(tuple(sorted(set(sizes))), tuple(sorted({*lens, tree_len})), (tree_len,), most)

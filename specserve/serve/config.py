@@ -13,6 +13,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -21,7 +22,7 @@ from pydantic import (
 from specserve.api import API_KEY_ENV
 from specserve.api.auth import check_api_key
 from specserve.api.limits import MAX_BODY_BYTES
-from specserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from specserve.config import AdaptiveConfig, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from specserve.executor.tp_group import DEFAULT_TIMEOUT_S
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -90,6 +91,97 @@ class AutoscalingSettings(BaseModel):
         }
 
 
+def _adaptive_default(name: str) -> Any:
+    return AdaptiveConfig.__dataclass_fields__[name].default
+
+
+class AdaptiveSettings(BaseModel):
+    """Adaptive speculation, `speculative: {method: ..., adaptive: {...}}` (or `adaptive: true` for
+    these defaults): every step runs the tier (draft shape, or none) with the most predicted accepted
+    tokens per second, from live per-request acceptance and measured step costs (docs/speculative.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tiers: list[str | int | list[int]] | None = Field(
+        _adaptive_default("tiers"),
+        description="Draft shapes to pick from: 'off' (or 0), NUM_STEPS (a chain), or "
+        "'NUM_STEPSxTOPKxNUM_DRAFT_TOKENS' / [num_steps, topk, num_draft_tokens] (a tree), each within "
+        "the configured num_steps / topk / num_draft_tokens. Default: off, chains of 1, 2, 4, ... up to "
+        "num_steps, and the configured tree when topk > 1.",
+    )
+    hysteresis: float = Field(
+        _adaptive_default("hysteresis"),
+        ge=0,
+        le=10,
+        description="How much better (a fraction of its predicted goodput) another tier must be to replace the current one.",
+    )
+    patience: int = Field(
+        _adaptive_default("patience"),
+        ge=1,
+        description="Decisions in a row a better tier must win before the switch.",
+    )
+    probe_every: int = Field(
+        _adaptive_default("probe_every"),
+        ge=1,
+        description="While speculation is off, every this many steps one step drafts with the best "
+        "speculative tier, so acceptance estimates notice text becoming predictable.",
+    )
+    min_reach: float = Field(
+        _adaptive_default("min_reach"),
+        ge=0,
+        lt=1,
+        description="A request drafts only the positions it reaches (all drafts before accepted) with at "
+        "least this probability by its own estimates: fewer drafts for text its drafter cannot predict.",
+    )
+    request_alpha: float = Field(
+        _adaptive_default("request_alpha"),
+        gt=0,
+        le=1,
+        description="Fade of a request's own acceptance evidence per verify (larger: follows its text faster).",
+    )
+    pooled_alpha: float = Field(
+        _adaptive_default("pooled_alpha"),
+        gt=0,
+        le=1,
+        description="Fade of the acceptance evidence pooled over all requests (the prior of a new request).",
+    )
+    prior: float = Field(
+        _adaptive_default("prior"),
+        gt=0,
+        lt=1,
+        description="Acceptance rate assumed before anything was observed (optimistic, so every tier gets tried).",
+    )
+    prior_strength: float = Field(
+        _adaptive_default("prior_strength"),
+        gt=0,
+        description="How many observations the prior is worth against a position's evidence.",
+    )
+    cost_alpha: float = Field(
+        _adaptive_default("cost_alpha"),
+        ge=0,
+        le=1,
+        description="Weight of each measured step in its shape's cost (0: keep the start-up profile).",
+    )
+    profile: bool = Field(
+        _adaptive_default("profile"),
+        description="Time every tier's target pass and draft step at start-up (CUDA-graph replays on the "
+        "GPU, a few dummy steps on the CPU); off: costs are learnt from the first steps.",
+    )
+
+
+def _check_speculative_adaptive(value: dict[str, Any] | str | None) -> None:
+    """The pydantic check of `speculative.adaptive` (a 'speculative.adaptive.FIELD: ...' ValueError)."""
+    adaptive = value.get("adaptive") if isinstance(value, dict) else None
+    if not isinstance(adaptive, dict):
+        return
+    try:
+        AdaptiveSettings.model_validate(adaptive)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"speculative.adaptive.{where}: {first['msg']}") from None
+
+
 class ServeConfig(BaseModel):
     """One served model: the engine each replica runs, how replicas are placed and scaled, where HTTP listens."""
 
@@ -102,9 +194,11 @@ class ServeConfig(BaseModel):
     speculative: dict[str, Any] | str | None = Field(
         "default",
         description="Speculative decoding: a method name, a mapping of SpeculativeConfig fields "
-        "(method, num_steps, topk, num_draft_tokens, draft_model, ...; topk > 1 drafts trees), "
-        "null for plain decoding, or `default`: the draft head trained for the model when one ships "
-        "with specserve, else n-gram prompt lookup.",
+        "(method, num_steps, topk, num_draft_tokens, draft_model, ...; topk > 1 drafts trees; "
+        "`adaptive`: true or the settings of `AdaptiveSettings`, to pick the draft shape up to the "
+        "configured one, or none, every step), null for plain decoding, or `default` (also as a "
+        "mapping's method): the draft head trained for the model when one ships with specserve, else "
+        "n-gram prompt lookup.",
     )
     tp_size: int = Field(
         1, ge=1, le=64, description="Tensor-parallel ranks per engine replica (GPUs, or CPU processes)."
@@ -181,6 +275,7 @@ class ServeConfig(BaseModel):
     def _speculative(
         cls, value: dict[str, Any] | str | None, info: ValidationInfo
     ) -> dict[str, Any] | str | None:
+        _check_speculative_adaptive(value)
         SpeculativeConfig.from_value(value, info.data.get("model"))  # raises ValueError naming the setting
         return value
 

@@ -67,6 +67,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         config["api_key"] = api_key
     if args.no_speculative:
         config["speculative"] = None
+    elif args.speculative in (None, "default") and args.adaptive:  # the default drafter, adapted
+        config["speculative"] = {"method": "default", "adaptive": True}
     elif args.speculative == "default":  # resolved by each replica, against its own install
         config["speculative"] = "default"
     elif args.speculative:

@@ -42,12 +42,14 @@ class AcceptanceTracker:
         self.prior, self.strength = prior, strength
         self._pooled: dict[int, _Counts] = {}
         self._requests: dict[tuple[str, int], _Counts] = {}
+        self.version = 0  # counts observations: estimates read since are still current when unchanged
 
     def observe(self, request_id: str, topk: int, drafted: int, accepted: int) -> None:
         """One verify of `request_id`'s draft of `drafted` tokens (depth, for a tree), `accepted` kept."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
         tested = min(drafted, accepted + 1, self.max_positions)
+        self.version += 1
         key = (request_id, topk)
         if key not in self._requests:
             self._requests[key] = _Counts(self.max_positions)

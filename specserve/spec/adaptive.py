@@ -17,6 +17,11 @@ predictable: every `probe_every` steps off, one step runs the best speculative t
 (not a switch). The measured goodput (tokens emitted per second of step, an EMA) sits beside the
 predicted one for the metrics.
 
+Scoring every tier for every request costs a few hundred microseconds at batch 64, as much as a
+decode step's GPU time there; while nothing was verified since (speculation off) and the batch is
+the same, the scores change only as the cost tables drift, so they are kept for up to
+`rescore_every` decisions.
+
 Within the chosen tier a request drafts fewer tokens when its own estimates say the later drafts are
 hopeless (the chance to reach them below `min_reach`): the verify is padded to the tier's shape
 anyway, but fewer drafts mean less draft work and less KV written for nothing.
@@ -27,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_tokens, reach
 from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
 
@@ -46,6 +52,15 @@ class Tier:
     @property
     def off(self) -> bool:
         return self.num_steps == 0
+
+    @property
+    def name(self) -> str:
+        """`off`, NUM_STEPS (a chain) or NUM_STEPSxTOPKxNUM_DRAFT_TOKENS (a tree)."""
+        if self.off:
+            return "off"
+        return (
+            str(self.num_steps) if self.topk == 1 else f"{self.num_steps}x{self.topk}x{self.num_draft_tokens}"
+        )
 
     @property
     def query_len(self) -> int:
@@ -75,6 +90,7 @@ class AdaptivePolicy:
         min_reach: float = 0.05,
         probe_every: int = 32,
         goodput_alpha: float = 0.1,
+        rescore_every: int = 16,
     ) -> None:
         if not tiers:
             raise ValueError("tiers: at least one")
@@ -82,6 +98,9 @@ class AdaptivePolicy:
         self.costs, self.acceptance = costs, acceptance
         self.hysteresis, self.patience, self.min_reach = hysteresis, patience, min_reach
         self.probe_every, self.goodput_alpha = probe_every, goodput_alpha
+        self.rescore_every = rescore_every
+        self._scored: tuple | None = None  # (request ids, tracker version, rates, scores, steps by tier)
+        self._scored_age = 0
         self.current: Tier | None = None
         self.switches = 0
         self.measured_goodput = 0.0
@@ -117,13 +136,27 @@ class AdaptivePolicy:
 
     def decide(self, request_ids: Sequence[str]) -> Decision:
         """The tier for this step's decoding requests, and each one's draft steps."""
-        rates = self._rates(request_ids)
-        scores = {tier: self._goodput(tier, rates) for tier in self.tiers}
+        ids, version = tuple(request_ids), self.acceptance.version
+        scored = self._scored
+        if scored is None or scored[:2] != (ids, version) or self._scored_age >= self.rescore_every:
+            rates = self._rates(ids)
+            scored = self._scored = (
+                ids,
+                version,
+                rates,
+                {t: self._goodput(t, rates) for t in self.tiers},
+                {},
+            )
+            self._scored_age = 0
+        self._scored_age += 1
+        _, _, rates, scores, steps_by_tier = scored
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
         switched = self._update(best, scores)
         tier = self._probe(scores) or self.current
-        own = rates.get(tier.topk, {})
-        steps = {r: 0 if tier.off else self._steps_for(tier, own[r]) for r in request_ids}
+        steps = steps_by_tier.get(tier)
+        if steps is None:
+            own = rates.get(tier.topk, {})
+            steps = steps_by_tier[tier] = {r: 0 if tier.off else self._steps_for(tier, own[r]) for r in ids}
         return Decision(tier, steps, scores[tier], switched)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
@@ -173,3 +206,10 @@ def default_tiers(num_steps: int, topk: int = 1, num_draft_tokens: int | None = 
     if topk > 1:
         tiers.add(Tier(num_steps, topk, num_draft_tokens or num_steps))
     return tuple(sorted(tiers))
+
+
+def configured_tiers(spec: SpeculativeConfig) -> tuple[Tier, ...]:
+    """The tiers `spec.adaptive` names, else `default_tiers` of the configured shape."""
+    if spec.adaptive is None or spec.adaptive.tiers is None:
+        return default_tiers(spec.num_steps, spec.topk, spec.draft_tokens)
+    return tuple(sorted({Tier(*shape) for shape in spec.adaptive.tiers}))

@@ -63,6 +63,11 @@ class Drafter:
     def after_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
         """Called after each target forward and verify, before the step's results are applied."""
 
+    def skip_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
+        """`after_target` of a step that drafts nothing (speculation off for it): a drafter may put
+        the work off until it drafts again, as long as its drafts then are what they would have been."""
+        self.after_target(feeds, features)
+
 
 def choose_drafts(
     logits: torch.Tensor,

@@ -15,6 +15,11 @@ step i of a draft chain started at p - i would give it.
   tokens, module s-1's outputs its hidden states) and its KV is what an extend would have written;
   after that the last module is reused one row per step, fed its own previous output.
 
+- `skip_target` (a step with speculation off, adaptive speculation's plain decode) keeps the
+  features instead (`Request.draft_backlog`, at most MAX_BACKLOG positions: then it extends over
+  them at once); the next extend, or the catch-up at the start of the next draft, runs over the
+  backlog and the new positions together, so the head's KV and tails are as if it had never paused.
+
 - `draft_tree` (topk > 1) grows an EAGLE-2 tree from the extend's prediction (`TreeSearch`). Step s
   runs module min(s, k-1) over the nodes on the paths to the nodes it expands (a forest under a tree
   mask, in the head's KV past the verified positions), each node paired with the module output the
@@ -42,6 +47,9 @@ from specserve.model.draft_heads import DraftHead
 from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
+# Positions of target features a request keeps while nothing drafts, before the head extends over them.
+MAX_BACKLOG = 32
+
 
 @dataclass(frozen=True)
 class HeadState:
@@ -52,6 +60,19 @@ class HeadState:
     token: int | None = None  # the first draft (None when the request will not decode next)
     q: torch.Tensor | None = None  # [V] its distribution, for sampling requests
     logits: torch.Tensor | None = None  # [V_draft] the draft logits it came from (trees start there)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Target features of positions `start ...` the head has not extended over, and their next tokens."""
+
+    start: int
+    tokens: list[int]
+    features: torch.Tensor  # [len(tokens), F]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 class HeadDrafter(Drafter):
@@ -68,7 +89,60 @@ class HeadDrafter(Drafter):
 
     # ---- draft extend ----------------------------------------------------------------------
 
-    def after_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
+    def skip_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
+        now = []
+        for f in feeds:
+            if not f.tokens:
+                continue
+            old = f.request.draft_backlog
+            joined = old is not None and old.end == f.start
+            if len(f.tokens) + (len(old.tokens) if joined else 0) > MAX_BACKLOG:
+                now.append(f)  # extended now, its backlog with it
+                continue
+            kept = features.index_select(0, torch.as_tensor(list(f.rows), device=features.device))
+            f.request.draft_backlog = (
+                Backlog(old.start, old.tokens + f.tokens, torch.cat([old.features, kept]))
+                if joined
+                else Backlog(f.start, list(f.tokens), kept)
+            )
+        if now:
+            self.after_target(now, features)
+
+    def _catch_up(self, reqs: list[Request]) -> None:
+        """Extend over the backlogs of requests about to draft (their seed comes from it)."""
+        feeds = [
+            TargetFeed(r, r.num_computed, [], [], True, r.num_output)
+            for r in reqs
+            if r.draft_backlog is not None
+        ]
+        if feeds:
+            self.after_target(feeds, None)
+
+    def _with_backlogs(
+        self, feeds: list[TargetFeed], features: torch.Tensor | None
+    ) -> tuple[list[TargetFeed], torch.Tensor | None]:
+        """Each feed preceded by its request's backlog when that ends where the feed starts (a
+        backlog that does not is stale, e.g. across a retraction, and dropped); the backlogs'
+        features appended to `features`, their rows pointing there."""
+        if not any(f.request.draft_backlog is not None for f in feeds):
+            return feeds, features
+        parts = [] if features is None else [features]
+        offset = 0 if features is None else features.shape[0]
+        out = []
+        for f in feeds:
+            backlog, f.request.draft_backlog = f.request.draft_backlog, None
+            if backlog is None or backlog.end != f.start:
+                out.append(f)
+                continue
+            rows = [*range(offset, offset + len(backlog.tokens)), *f.rows]
+            parts.append(backlog.features)
+            offset += len(backlog.tokens)
+            tokens = backlog.tokens + list(f.tokens)
+            out.append(TargetFeed(f.request, backlog.start, tokens, rows, f.seed, f.next_output))
+        return out, torch.cat(parts) if parts else features
+
+    def after_target(self, feeds: list[TargetFeed], features: torch.Tensor | None) -> None:
+        feeds, features = self._with_backlogs(feeds, features)
         feeds = [f for f in feeds if f.tokens]
         if not feeds:
             return
@@ -126,6 +200,7 @@ class HeadDrafter(Drafter):
 
     def draft(self, reqs: list[Request], budgets: list[int]) -> None:
         """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
+        self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
         for req, _ in chains:
             state: HeadState = req.draft_state
@@ -172,6 +247,7 @@ class HeadDrafter(Drafter):
     # ---- tree drafting ---------------------------------------------------------------------
 
     def draft_tree(self, reqs: list[Request], depths: list[int], topk: int, num_nodes: int) -> None:
+        self._catch_up(reqs)
         active = [(r, d) for r, d in zip(reqs, depths, strict=True) if d > 0 and _has_seed(r)]
         if not active:
             return

@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, phases: list[str]) -> int:
-    from specserve.train.data import prompt_texts, write_prompts
+    from specserve.bench_data import write_prompts
+    from specserve.train.data import prompt_texts
 
     out = Path(args.out)
     if "prompts" in phases:

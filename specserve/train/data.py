@@ -12,7 +12,6 @@ killed resumes with the prompts it has not answered.
 
 from __future__ import annotations
 
-import gzip
 import json
 import time
 from collections.abc import Sequence
@@ -126,32 +125,12 @@ def load_samples(path: str | Path) -> Samples:
 def prompt_texts(data: str, *, seed: int = 0, max_chars: int = 2000) -> list[str]:
     """User prompts: a named data set (`sharegpt`, `mt-bench`: first user turns, in benchmark order)
     or a prompts file (JSON lines, optionally gzipped: a string, or an object with `prompt`/`text`)."""
-    from specserve.bench_data import DATASETS, select_texts
     from specserve.bench_data import prompt_texts as dataset_texts
 
-    if data in DATASETS:
+    try:
         return dataset_texts(data, seed=seed, max_chars=max_chars)
-    path = Path(data)
-    if not path.is_file():
-        raise ValueError(f"data: {data!r} is neither a data set ({', '.join(DATASETS)}) nor a prompts file")
-    opener = gzip.open if path.suffix == ".gz" else open
-    texts = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                item = json.loads(line)
-                texts.append(item if isinstance(item, str) else item.get("prompt") or item.get("text") or "")
-    return select_texts(texts, shuffle=False, max_chars=max_chars)
-
-
-def write_prompts(texts: Sequence[str], path: str | Path) -> Path:
-    """A gzipped JSON-lines prompts file (what a machine without the data set's wheel can carry)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        for text in texts:
-            f.write(json.dumps(text) + "\n")
-    return path
+    except ValueError as err:
+        raise ValueError(f"data: {str(err).removeprefix('dataset: ')}") from None
 
 
 # ---- generation ----------------------------------------------------------------------------------

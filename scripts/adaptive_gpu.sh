@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (one H100 is enough), issue 9's targets: `specserve bench offline` at batch
+# 1, 4, 16, 64 with plain decoding, each static n-gram configuration and the adaptive one over the
+# same shapes (off, chains of 1, 2, 4, 8), on MT-Bench and on the mixed workload; then
+# scripts/adaptive_targets.py checks the targets. JSON, tables and plots land in $OUT.
+#
+# Carry (the machine cannot pull data sets): .whl/ (as for gpu_check.sh), .devcarry/question.jsonl
+# (MT-Bench) and the mixed prompts file, written here beforehand:
+#   python -P -m specserve.bench_data mixed .devcarry/mixed.jsonl.gz
+# Environment: BATCHES (default 1,4,16,64), NEW_TOKENS (256), REPEATS (3), DATASETS ("mt-bench
+# mixed"), STATIC ("ngram:1 ngram:2 ngram:4 ngram:8"), ADAPTIVE ("ngram:adaptive-8"), BENCH_ARGS
+# (more flags, e.g. "--spec eagle3:5:HEAD --spec eagle3:adaptive-5:HEAD").
+set -uo pipefail
+OUT=${OUT:-/tmp/specserve-out}
+# gpu_check.sh's set-up only (wheels into /tmp/site, the model and MT-Bench into the cache, nvidia-smi).
+OUT=$OUT SKIP_GPU_TESTS=1 SKIP_KERNELS=1 SKIP_BENCH=1 bash scripts/gpu_check.sh
+export PYTHONPATH=/tmp/site SPECSERVE_CACHE=$HOME/spcache SPECSERVE_REPORT_DIR=$OUT PYTHONUNBUFFERED=1
+specs=()
+for spec in ${STATIC:-ngram:1 ngram:2 ngram:4 ngram:8} ${ADAPTIVE:-ngram:adaptive-8}; do specs+=(--spec "$spec"); done
+for dataset in ${DATASETS:-mt-bench mixed}; do
+  data=$dataset
+  [ "$dataset" = mixed ] && data=.devcarry/mixed.jsonl.gz
+  python3 -P -m specserve.cli bench offline --dataset "$data" --batch-sizes "${BATCHES:-1,4,16,64}" \
+    --max-new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" "${specs[@]}" ${BENCH_ARGS:-} \
+    --out "$OUT/adaptive-$dataset.json" 2>&1 | grep -v "it/s" | tee "$OUT/adaptive-$dataset.log"
+done
+python3 -P scripts/adaptive_targets.py "$OUT"/adaptive-*.json 2>&1 | tee "$OUT/adaptive-targets.log"

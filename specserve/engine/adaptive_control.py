@@ -1,0 +1,104 @@
+"""Adaptive speculation inside the engine's step: the policy's tier and budgets in, the outcomes out.
+
+Each step (`Engine._propose_drafts`) the policy (`specserve/spec/adaptive.py`) picks the tier for the
+decoding requests: it becomes `Engine.spec_settings` (off is a plain decode step: no drafter runs),
+and each request drafts the steps the policy gave it (fewer where its own later drafts are
+hopeless), within what it may still emit. Each verify tells the acceptance estimates how far that
+request's draft got against the budget it was given: a drafter proposing less than the budget (an
+n-gram lookup without a match) counts as rejected there, since one token is all the step made of it.
+Each step's host times refine the cost tables: a step of decodes and verifies only (no prefill chunk)
+is a target pass of its batch and its widest request, less its draft phase, which is `num_steps`
+draft steps. The predicted and the measured goodput go to the step's stats for the metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.request import Request
+from specserve.engine.scheduler import ScheduledItem
+from specserve.engine.stats import SpecSettings, StepStats
+from specserve.spec.acceptance import AcceptanceTracker
+from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
+from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
+
+
+def settings_of(tier: Tier) -> SpecSettings:
+    return SpecSettings() if tier.off else SpecSettings(tier.num_steps, tier.topk, tier.num_draft_tokens)
+
+
+class AdaptiveSpeculation:
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        config = spec.adaptive
+        if config is None:
+            raise ValueError("speculative.adaptive: not configured")
+        self.tiers = configured_tiers(spec)
+        self.costs = StepCosts(alpha=config.cost_alpha)
+        depth = max(max(t.num_steps for t in self.tiers), 1)
+        self.acceptance = AcceptanceTracker(
+            depth, config.request_alpha, config.pooled_alpha, config.prior, config.prior_strength
+        )
+        self.policy = AdaptivePolicy(
+            self.tiers,
+            self.costs,
+            self.acceptance,
+            hysteresis=config.hysteresis,
+            patience=config.patience,
+            min_reach=config.min_reach,
+            probe_every=config.probe_every,
+        )
+        self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
+        self.predicted_goodput = 0.0
+        self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
+        self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
+        self.tier_steps: Counter[Tier] = Counter()  # steps run per tier (probes included)
+
+    def decide(self, reqs: Sequence[Request]) -> SpecSettings:
+        """This step's tier for the decoding requests `reqs`, as the engine's speculation settings."""
+        self._budgets.clear()
+        if not reqs:  # nothing decodes: keep the shape, nothing to decide
+            self._steps = {}
+            return settings_of(self.tier)
+        decision = self.policy.decide([r.request_id for r in reqs])
+        self.tier, self._steps = decision.tier, decision.steps
+        self.predicted_goodput = decision.predicted_goodput
+        self.tier_steps[self.tier] += 1
+        return settings_of(self.tier)
+
+    def steps_for(self, req: Request) -> int:
+        return self._steps.get(req.request_id, self.tier.num_steps)
+
+    def drafting(self, req: Request, budget: int) -> None:
+        """`req` drafts with `budget` steps this step (after the engine's own limits)."""
+        self._budgets[req.request_id] = budget
+
+    def observe_verify(self, req: Request, accepted: int) -> None:
+        budget = self._budgets.get(req.request_id, 0)
+        if budget and not self.tier.off:
+            self.acceptance.observe(req.request_id, self.tier.topk, budget, min(accepted, budget))
+
+    def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
+        seconds = stats.phases.get("step")
+        if not seconds:
+            return
+        self.policy.observe_step(stats.generation_tokens, seconds)
+        drafting = stats.phases.get("draft", 0.0)
+        if items and all(item.num_known == 1 and item.completes for item in items):
+            width = max(item.num_tokens for item in items)
+            self.costs.observe(VERIFY, len(items), width, seconds - drafting)
+        if self._budgets and not self.tier.off and drafting > 0:
+            self.costs.observe(DRAFT, len(self._budgets), self.tier.topk, drafting / self.tier.num_steps)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+        self._steps.pop(request_id, None)
+
+    def settings(self) -> SpecSettings:
+        """The policy's standing tier (not a probe's), for the metrics."""
+        return settings_of(self.policy.current or self.tier)
+
+    def fill(self, stats: StepStats) -> None:
+        stats.predicted_goodput = self.predicted_goodput
+        stats.measured_goodput = self.policy.measured_goodput

@@ -1,0 +1,437 @@
+"""Adaptive speculation inside the engine: the tier it settles on as acceptance and batch size change
+(a scripted drafter whose drafts are right with a set probability per position, fixed step costs),
+losslessness while tiers switch every step (chains, trees, off; n-gram, standalone and heads, whose
+drafts after an off stretch must equal a from-scratch computation), sampling (χ²), metrics, start-up
+profiling, CUDA-graph buckets per tier, and the settings at every edge (config, serve config, CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from head_reference import reference_step_logits
+
+from specserve import LLM, SamplingParams
+from specserve.cli_spec_args import add_speculative_arguments, parse_spec, spec_name, speculative_from_args
+from specserve.config import AdaptiveConfig, EngineConfig, SpeculativeConfig
+from specserve.engine.cost_profile import profile_batches
+from specserve.engine.engine import graph_buckets
+from specserve.engine.sampler import SamplingBatch, SamplingRow, filtered_probs
+from specserve.metrics import EngineMetrics
+from specserve.model.head_checkpoint import random_head, save_head
+from specserve.model.loader import load_model
+from specserve.model.tokenizer import load_tokenizer
+from specserve.spec.acceptance import expected_tokens
+from specserve.spec.adaptive import OFF, Decision, Tier
+from specserve.spec.drafter import Drafter
+from specserve.spec.step_costs import DRAFT, VERIFY
+
+from engine_utils import assert_follows, last_logits, motif_prompts
+from tiny_models import save_tiny_llama3
+
+VOCAB = 96
+MS = 1e-3
+LONG = 300  # tokens each scripted request generates
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_gguf, tmp_path_factory):
+    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
+    return load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return LLM(target, device="cpu", dtype="float32", max_total_tokens=8192)
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    shapes = {"eagle": {}, "mtp": {"num_modules": 3}}
+    return {m: save_head(root / m, *random_head(m, target.arch, seed=5, **kw)) for m, kw in shapes.items()}
+
+
+# ---- a scripted drafter: right with probability rates[j] at draft position j ----------------------
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the target's own greedy continuation (`answers`, per request id), each draft right
+    with probability `rate` (independently per position, so the conditional acceptance of every
+    position is exactly `rate`), else a token greedy verify rejects."""
+
+    def __init__(self, answers: dict[str, list[int]], seed: int = 0) -> None:
+        self.answers, self.rate, self.rng = answers, 0.9, random.Random(seed)
+
+    def draft(self, reqs, budgets) -> None:
+        for req, budget in zip(reqs, budgets, strict=True):
+            answer, n = self.answers[req.request_id], req.num_output
+            right = [answer[n + j] if n + j < len(answer) else 0 for j in range(budget)]
+            req.draft = [t if self.rng.random() < self.rate else (t + 1) % VOCAB for t in right]
+
+
+def _gpu_like_costs(costs, batches=range(1, 9), lens=range(1, 10)) -> None:
+    """A launch-bound target at small batch (1 ms whatever the tokens), compute-bound at large; every
+    shape a run can meet is in the table, and cost_alpha 0 keeps it: decisions are deterministic."""
+    costs.profile(VERIFY, [(b, q) for b in batches for q in lens], lambda b, q: max(1.0, 0.03 * b * q) * MS)
+    costs.profile(DRAFT, [(b, 1) for b in batches], lambda b, w: 0.15 * MS)
+
+
+def _best(tiers, rate: float, batch: int) -> Tier:
+    def goodput(t: Tier) -> float:
+        seconds = max(1.0, 0.03 * batch * t.query_len) + 0.15 * t.num_steps
+        return batch * expected_tokens([rate] * 8, t.num_steps) / seconds
+
+    return max(tiers, key=goodput)
+
+
+def test_engine_settles_on_the_best_tier_as_acceptance_and_batch_change(target, plain):
+    spec = {
+        "method": "ngram",
+        "num_steps": 8,
+        "adaptive": {"profile": False, "cost_alpha": 0.0, "probe_every": 8},
+    }
+    llm = LLM(target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec)
+    engine, adaptive = llm.engine, llm.engine.adaptive
+    _gpu_like_costs(adaptive.costs)
+    prompts = motif_prompts(8, VOCAB, seed=3, max_noise=12)
+    long = SamplingParams(max_new_tokens=LONG, temperature=0.0, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(prompts, long)]
+    drafter = engine.drafter = ScriptedDrafter({})
+    phase = itertools.count()
+
+    def run(rate: float, batch: int, rounds: int = 1) -> list[tuple[int, Tier]]:
+        """`rounds` batches of `batch` requests; (decoding requests, tier) of every step."""
+        drafter.rate, seen = rate, []
+        for _ in range(rounds):
+            ids = []
+            for i in range(batch):
+                rid = f"p{next(phase)}"
+                drafter.answers[rid] = answers[i]
+                ids.append(engine.add_request(prompts[i], long, rid))
+            while engine.has_unfinished():
+                decoding = sum(r.decoding for r in engine.scheduler.running)
+                outs = engine.step()
+                seen.append((decoding, adaptive.policy.current))
+                for out in outs:
+                    if out.finished:
+                        assert out.token_ids == answers[ids.index(out.request_id)]
+        return seen
+
+    tiers = adaptive.tiers
+    assert tiers == (OFF, Tier.chain(1), Tier.chain(2), Tier.chain(4), Tier.chain(8))
+    assert run(0.9, 1)[-1][1] == _best(tiers, 0.9, 1) == Tier.chain(8)  # predictable text
+    assert run(0.05, 1)[-1][1] == _best(tiers, 0.05, 1) == OFF  # text nobody predicts: plain decoding
+    assert run(0.9, 1)[-1][1] == Tier.chain(8)  # probes while off bring speculation back
+    full = [tier for decoding, tier in run(0.9, 8, rounds=2) if decoding == 8]
+    assert full[-1] == _best(tiers, 0.9, 8) == Tier.chain(4)  # the same text at batch 8: shorter drafts
+    assert adaptive.policy.switches >= 3
+
+
+# ---- losslessness while the tier changes every step -------------------------------------------------
+
+
+def _cycle_tiers(engine, seed: int = 0) -> list[Tier]:
+    """Replace the policy's choice with a seeded random walk over its tiers (long stretches off too),
+    each request given a random number of draft steps: every switch the engine can meet, often."""
+    adaptive, rng, chosen = engine.adaptive, random.Random(seed), []
+
+    def decide(request_ids):
+        tier = OFF if rng.random() < 0.4 else rng.choice(adaptive.tiers)
+        chosen.append(tier)
+        steps = {r: 0 if tier.off else rng.randint(1, tier.num_steps) for r in request_ids}
+        return Decision(tier, steps, 1.0, False)
+
+    adaptive.policy.decide = decide
+    return chosen
+
+
+def _adaptive_llm(target, method: str, draft_model=None, **kwargs) -> LLM:
+    spec = {
+        "method": method,
+        "num_steps": 4,
+        "topk": 4,
+        "num_draft_tokens": 8,
+        "adaptive": {"profile": False},
+    }
+    if draft_model is not None:
+        spec["draft_model"] = str(draft_model)
+    kwargs.setdefault("max_total_tokens", 4096)
+    return LLM(target, device="cpu", dtype="float32", speculative=spec, **kwargs)
+
+
+@pytest.mark.parametrize(("method", "page_size"), [("ngram", 1), ("standalone", 4), ("eagle", 1), ("mtp", 4)])
+def test_greedy_is_lossless_across_switches(target, plain, heads, method, page_size):
+    draft = {"standalone": target.location.path, **heads}.get(method)
+    llm = _adaptive_llm(target, method, draft, page_size=page_size, max_batched_tokens=40)
+    engine = llm.engine
+    chosen = _cycle_tiers(engine)
+    launches = []  # plain steps overlapped (n-gram and standalone: they need no target features)
+    original = engine._launch
+    engine._launch = lambda *args: launches.append(1) or original(*args)
+    prompts = motif_prompts(5, VOCAB, seed=11)
+    outs = llm.generate(prompts, GREEDY)
+    assert bool(launches) == (method in ("ngram", "standalone"))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert {t.topk for t in chosen if not t.off} == {1, 4} and OFF in chosen
+    if method in ("ngram", "standalone"):  # (random heads' drafts are rarely right)
+        assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
+
+
+def test_hybrid_model_is_lossless_across_switches(smollm2_gguf, tmp_path):
+    """A hybrid (Mamba-2) target: recurrent states committed per verify, plain steps overlapped, trees
+    and chains and off in turn; no start-up profile (costs are learnt from its steps)."""
+    from tiny_models import save_tiny_bamba
+
+    folder = save_tiny_bamba(tmp_path / "bamba", load_tokenizer(smollm2_gguf), VOCAB)
+    hybrid = load_model(str(folder), torch.device("cpu"), torch.float32)
+    plain = LLM(hybrid, device="cpu", dtype="float32", max_total_tokens=4096)
+    spec = {"method": "ngram", "num_steps": 4, "topk": 4, "num_draft_tokens": 8, "adaptive": True}
+    llm = LLM(hybrid, device="cpu", dtype="float32", max_total_tokens=4096, speculative=spec)
+    assert not llm.engine.adaptive.costs.measured()
+    chosen = _cycle_tiers(llm.engine, seed=5)
+    prompts = motif_prompts(4, VOCAB, seed=11)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert OFF in chosen and {t.topk for t in chosen if not t.off} == {1, 4}
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_head_drafts_after_plain_steps_equal_a_from_scratch_computation(target, heads, method):
+    """A head skips its extend on steps without drafting (the features wait in a backlog, or are
+    extended over in one go past MAX_BACKLOG positions) and catches up before it drafts again: every
+    chain it drafts is still the one a from-scratch computation over the verified tokens gives."""
+    llm = _adaptive_llm(target, method, heads[method], page_size=4)
+    engine = llm.engine
+    chosen = _cycle_tiers(engine, seed=3)
+    drafter, records = engine.drafter, []
+    original = drafter.draft
+
+    def recording(reqs, budgets):
+        original(reqs, budgets)
+        assert all(r.draft for r in reqs), "a request drafts nothing: the head did not catch up"
+        records.extend((list(r.token_ids), list(r.draft)) for r in reqs)
+
+    drafter.draft = recording
+    prompts = motif_prompts(3, VOCAB, seed=5, max_noise=20)
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 20:  # one long stretch off: the backlog passes MAX_BACKLOG and is extended early
+            engine.adaptive.policy.decide = lambda request_ids: Decision(OFF, {}, 1.0, False)
+        if steps == 60:
+            chosen = _cycle_tiers(engine, seed=4)
+        engine.step()
+        steps += 1
+    assert all(not engine.is_active(i) for i in ids)
+    assert OFF in chosen and len(records) >= 10
+    for verified, drafts in records:
+        ref = reference_step_logits(target.model, drafter.head, verified, drafts)
+        assert [int(logits.argmax()) for logits in ref] == drafts
+
+
+def test_sampling_follows_the_target_across_switches(target):
+    """χ² over (first, second, third) output tokens at temperature 1, top-k 3: requests arrive every
+    step, so each step verifies some second tokens under a tier chosen at random, with random
+    per-request budgets. The drafter is the target itself: its chains are always accepted, its trees
+    are the target's top candidates, tested one after another (recursive rejection, residuals)."""
+    llm = _adaptive_llm(
+        target, "standalone", target.location.path, max_total_tokens=65536, max_running_requests=256
+    )
+    engine = llm.engine
+    chosen = _cycle_tiers(engine, seed=7)
+    prompt = motif_prompts(1, VOCAB, seed=2)[0]
+    outs = {}
+    for s in range(800):
+        params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
+        engine.add_request(prompt, params, f"r{s}")
+        if s % 40 == 39:
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    verified = [o.meta.get("spec_accept_histogram", []) for o in outs.values()]
+    assert sum(h[0] for h in verified if h) > 50 and sum(h[1] for h in verified if len(h) > 1) > 50
+    assert {t.topk for t in chosen if not t.off} == {1, 4}
+    samples = [tuple(o.token_ids) for o in outs.values()]
+
+    def probs(prefixes):
+        logits = last_logits(llm.engine, [prompt + list(p) for p in prefixes])
+        rows = SamplingBatch.build([SamplingRow(1.0, 3, 1.0, 0.0, 0, 0)] * len(prefixes), "cpu")
+        return filtered_probs(logits, rows)
+
+    first = probs([()])[0]
+    support = first.nonzero().flatten().tolist()
+    second = dict(zip(support, probs([(a,) for a in support]), strict=True))
+    pairs = [(a, b) for a in support for b in second[a].nonzero().flatten().tolist()]
+    third = dict(zip(pairs, probs(pairs), strict=True))
+    cells = {
+        (a, b, c): i
+        for i, (a, b, c) in enumerate(
+            (a, b, c) for a, b in pairs for c in third[(a, b)].nonzero().flatten().tolist()
+        )
+    }
+    expected = np.array([float(first[a] * second[a][b] * third[(a, b)][c]) for a, b, c in cells])
+    assert all(s in cells for s in samples), "a token outside the filtered support was emitted"
+    assert_follows([cells[s] for s in samples], expected)
+
+
+# ---- metrics, profiling, CUDA-graph buckets ------------------------------------------------------
+
+
+def test_metrics_show_the_tier_switches_and_goodput(target, plain):
+    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"profile": False, "cost_alpha": 0.0}}
+    llm = LLM(target, device="cpu", dtype="float32", max_total_tokens=4096, speculative=spec)
+    engine = llm.engine
+    _gpu_like_costs(engine.adaptive.costs)
+    metrics = EngineMetrics("m")
+    engine.attach_stats_sink(metrics)
+    prompts = motif_prompts(2, VOCAB, seed=3, max_noise=12)
+    long = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(prompts, long)]
+    drafter = engine.drafter = ScriptedDrafter({"a": answers[0], "b": answers[1]})
+    settings, changes = [engine.speculative_settings()], 0
+    for rate, rid in ((0.95, "a"), (0.0, "b")):
+        drafter.rate = rate
+        engine.add_request(prompts["ab".index(rid)], long, rid)
+        while engine.has_unfinished():
+            engine.step()
+            if engine.speculative_settings() != settings[-1]:
+                settings.append(engine.speculative_settings())
+                changes += 1
+    assert settings[-1].num_steps == 0 and any(s.num_steps == 4 for s in settings)  # on, then off
+    assert metrics.sample("specserve_spec_adapt_switches_total") == changes >= 1
+    for name, value in zip(("num_steps", "topk", "num_draft_tokens"), settings[-1], strict=True):
+        assert metrics.sample(f"specserve_spec_{name}") == value
+    assert metrics.sample("specserve_spec_ema_accept_length") > 1
+    assert metrics.sample("specserve_spec_predicted_goodput_tokens_per_second") == pytest.approx(
+        engine.adaptive.predicted_goodput
+    )
+    assert metrics.sample("specserve_spec_measured_goodput_tokens_per_second") > 0
+    assert "specserve_spec_predicted_goodput_tokens_per_second" in metrics.exposition()
+
+
+def test_start_up_profile_times_every_tier_on_the_cpu(target, heads):
+    spec = {"method": "eagle", "draft_model": str(heads["eagle"]), "num_steps": 4, "topk": 2}
+    llm = LLM(
+        target, device="cpu", dtype="float32", max_total_tokens=2048, speculative={**spec, "adaptive": True}
+    )
+    engine, adaptive = llm.engine, llm.engine.adaptive
+    batches = profile_batches(engine)
+    assert batches == [1, 8]
+    measured = adaptive.costs.measured()
+    lens = {t.query_len for t in adaptive.tiers}
+    assert lens == {1, 2, 3, 5, 9} and {t.topk for t in adaptive.tiers} == {1, 2}  # 9: the 4x2x8 tree
+    assert {(VERIFY, b, q) for b in batches for q in lens} | {
+        (DRAFT, b, k) for b in batches for k in (1, 2)
+    } == set(measured)
+    assert all(seconds > 0 for seconds in measured.values())
+    engine.check_kv_accounting()  # profiling took no page
+    prompts = motif_prompts(3, VOCAB, seed=1)
+    plain_outs = LLM(target, device="cpu", dtype="float32", max_total_tokens=2048).generate(prompts, GREEDY)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [o.token_ids for o in plain_outs]
+
+
+def test_cuda_graph_buckets_exist_for_every_tier():
+    def buckets(spec):
+        return graph_buckets(EngineConfig(device="cpu", speculative=SpeculativeConfig.from_value(spec)))
+
+    assert buckets({"method": "ngram", "num_steps": 8}).query_lens == (1, 9)
+    assert buckets({"method": "ngram", "num_steps": 8, "adaptive": True}).query_lens == (1, 2, 3, 5, 9)
+    tree = buckets({"method": "ngram", "num_steps": 4, "topk": 4, "num_draft_tokens": 16, "adaptive": True})
+    assert tree.query_lens == (1, 2, 3, 5, 17) and tree.masked_lens == (17,)
+    custom = {"method": "ngram", "num_steps": 6, "adaptive": {"tiers": ["off", 3, "6"]}}
+    assert buckets(custom).query_lens == (1, 4, 7)
+
+
+# ---- settings: Python API, serve config, CLI -----------------------------------------------------
+
+
+def test_adaptive_settings_from_every_edge(target):
+    assert SpeculativeConfig.from_value({"adaptive": True}) == SpeculativeConfig(adaptive=AdaptiveConfig())
+    config = SpeculativeConfig.from_value(
+        {
+            "method": "ngram",
+            "num_steps": 6,
+            "topk": 2,
+            "adaptive": {"tiers": ["off", 2, "6x2x8", [6, 1, 6]], "patience": 1},
+        }
+    )
+    assert (
+        config.adaptive.tiers == ((0, 1, 0), (2, 1, 2), (6, 2, 8), (6, 1, 6))
+        and config.adaptive.patience == 1
+    )
+    assert SpeculativeConfig.from_value({"method": "ngram", "adaptive": False}).adaptive is None
+    # {"method": "default", ...}: the model's default drafter (n-gram for a path), adapted
+    default = SpeculativeConfig.from_value({"method": "default", "adaptive": True}, str(target.location.path))
+    assert default.method == "ngram" and default.adaptive == AdaptiveConfig()
+    llm = LLM(
+        target,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=1024,
+        speculative={"adaptive": {"profile": False}},
+    )
+    assert llm.engine.adaptive is not None and llm.engine.adaptive.tiers[0] == OFF
+
+    from specserve.serve.config import ServeConfig
+
+    served = ServeConfig(
+        device="cpu", speculative={"method": "ngram", "num_steps": 8, "adaptive": {"hysteresis": 0.1}}
+    )
+    assert served.engine_config().speculative.adaptive == AdaptiveConfig(hysteresis=0.1)
+
+    parser = argparse.ArgumentParser()
+    add_speculative_arguments(parser)
+    assert speculative_from_args(parser.parse_args(["--speculative", "ngram", "--adaptive"])) == {
+        "method": "ngram",
+        "num_steps": 4,
+        "adaptive": True,
+    }
+    assert speculative_from_args(parser.parse_args(["--adaptive"]))["adaptive"] is True  # the default drafter
+    assert speculative_from_args(parser.parse_args([])) is None
+    assert parse_spec("ngram:adaptive") == {"method": "ngram", "num_steps": 8, "adaptive": True}
+    tree = parse_spec("ngram:adaptive-6x4x16")
+    assert tree == {"method": "ngram", "num_steps": 6, "topk": 4, "num_draft_tokens": 16, "adaptive": True}
+    assert spec_name(tree) == "specserve-ngram-6x4x16-adaptive"
+    assert spec_name(parse_spec("ngram:6x4x16")) == "specserve-ngram-6x4x16"
+
+
+@pytest.mark.parametrize(
+    ("adaptive", "field"),
+    [
+        ({"hysteresis": -1}, "hysteresis"),
+        ({"patience": 0}, "patience"),
+        ({"probe_every": 1.5}, "probe_every"),
+        ({"min_reach": 1}, "min_reach"),
+        ({"prior": 1.0}, "prior"),
+        ({"cost_alpha": "fast"}, "cost_alpha"),
+        ({"tiers": []}, "tiers"),
+        ({"tiers": ["9"]}, "tiers"),  # past the configured num_steps
+        ({"tiers": ["2x2x2"]}, "tiers"),  # a tree while topk is 1
+        ({"tiers": ["4x1x3"]}, "tiers"),  # a chain verifies num_steps tokens
+        ({"tiers": ["many"]}, "tiers"),
+        ({"bogus": 1}, "adaptive"),  # unknown settings ['bogus']
+        ("yes", "adaptive"),
+    ],
+)
+def test_bad_adaptive_settings_name_the_field(adaptive, field):
+    from pydantic import ValidationError
+
+    from specserve.serve.config import ServeConfig
+
+    spec = {"method": "ngram", "num_steps": 4, "adaptive": adaptive}
+    with pytest.raises(
+        ValueError, match=rf"speculative\.adaptive{'' if field == 'adaptive' else '.' + field}: "
+    ):
+        EngineConfig(speculative=SpeculativeConfig.from_value(spec))
+    with pytest.raises(ValidationError, match="speculative.adaptive"):
+        ServeConfig(device="cpu", speculative=spec)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_spec("ngram:adaptive-x")
