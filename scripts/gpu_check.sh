@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 [ -n "${PROFILE:-}" ] && python3 -P scripts/profile_step.py 2>&1 | tee "$OUT/profile.log"
 # PROFILE_SPEC="eagle3:5x8x32:.devcarry/heads/eagle3" (a --spec string): where a speculative step's time goes.
 [ -n "${PROFILE_SPEC:-}" ] && SPEC="$PROFILE_SPEC" python3 -P scripts/profile_spec.py 2>&1 | tee "$OUT/profile_spec.log"
-[ -z "${SKIP_GPU_TESTS:-}" ] && python3 -P -m pytest -m gpu -s -q -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py tests/test_hybrid.py 2>&1 | tee "$OUT/gpu_tests.log"
+[ -z "${SKIP_GPU_TESTS:-}" ] && python3 -P -m pytest -m gpu -s -q -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py tests/test_hybrid.py tests/test_host_copy.py 2>&1 | tee "$OUT/gpu_tests.log"
 # The Triton kernels natively (and the CUDA graphs against eager steps), against their torch references on fresh random inputs; the Triton
 # attention backend against the torch one (tiny model and SmolLM2), the optional flash backend against it
 # (skipped with the reason where vllm-flash-attn does not import); then the kernel micro-benchmarks.

@@ -22,6 +22,7 @@ from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.cost_profile import profile_step_costs
+from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
 from specserve.engine.logprobs import StepLogprobs, step_logprobs
@@ -614,7 +615,7 @@ class Engine:
         banned = torch.zeros(len(counters), self.arch.vocab_size, dtype=torch.bool)
         for i, ids in bans:
             banned[i, list(ids)] = True
-        return banned.to(self.device, non_blocking=True)
+        return to_device(banned, self.device)
 
     def _postprocess(
         self, item: ScheduledItem, tokens: list[int] | None, records: StepLogprobs | None

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.engine.host_copy import to_device
+
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31 (from Wellons' hash prospector, "lowbias32"): with 32-bit lanes every
 # product stays below 2**63, so int64 tensors never overflow (signed overflow is UB in C++ kernels).
@@ -101,8 +103,8 @@ class SamplingBatch:
             "any_top_p": bool((floats[1][sampled] < 1.0).any()),
             "any_min_p": bool((floats[2][sampled] > 0.0).any()),
         }
-        floats = _to_device(torch.from_numpy(np.ascontiguousarray(floats)), device)
-        ints = _to_device(torch.from_numpy(ints), device)
+        floats = to_device(torch.from_numpy(np.ascontiguousarray(floats)), device)
+        ints = to_device(torch.from_numpy(ints), device)
         return cls(
             temperature=floats[0],
             top_p=floats[1],
@@ -116,15 +118,6 @@ class SamplingBatch:
 
     def __len__(self) -> int:
         return self.temperature.shape[0]
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return host
-    # Pinned memory makes the copy truly asynchronous; the caching host allocator keeps the buffer
-    # alive until the copy has run.
-    pinned = host.pin_memory() if device.type == "cuda" else host
-    return pinned.to(device, non_blocking=True)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.engine.host_copy import to_device
 from specserve.model.arch import ModelArch
 from specserve_kernels import check_indices, use_triton
 from specserve_kernels.state_commit import check_commits, commit_states, commit_states_ref
@@ -97,8 +98,7 @@ class StatePool:
             return
         check_commits(sources, slots, self._snapshots[0].shape[1], self.capacity)
         device = self.ssm.device
-        src = torch.tensor(sources, dtype=torch.int64).to(device, non_blocking=True)
-        dst = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        src, dst = to_device(torch.tensor([sources, slots], dtype=torch.int64), device).unbind(0)
         commit = commit_states if use_triton(device) else commit_states_ref
         commit(self.ssm, self.conv, *self._snapshots, src, dst, check_bounds=check_indices())
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from specserve.attention.backend import AttentionBatch
+from specserve.engine.host_copy import to_device
 from specserve.engine.request import FUTURE_TOKEN, Request
 from specserve.engine.scheduler import ScheduledItem
 
@@ -356,13 +357,10 @@ def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) ->
 
 
 def _to_device(arrays: list, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One host-to-device copy (from pinned memory on GPU) for every int64 input of the step: views
+    """One host-to-device copy (through `host_copy`'s pinned ring on GPU) for every int64 input of the step: views
     of the arrays, and the flat buffer."""
     flat = [np.asarray(a, dtype=np.int64) for a in arrays]
-    host = torch.from_numpy(np.concatenate([a.ravel() for a in flat]))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    buffer = host.to(device, non_blocking=True)
+    buffer = to_device(torch.from_numpy(np.concatenate([a.ravel() for a in flat])), device)
     return _split(buffer, [a.shape for a in flat]), buffer
 
 

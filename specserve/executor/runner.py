@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from specserve.attention.backend import AttentionBackend
+from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.state_pool import StatePool
 from specserve.engine.step_input import (
@@ -80,7 +81,7 @@ class ModelRunner:
         """Copy KV slots src[m] -> dst[m] in every layer, in order within each segment (moves
         already checked by `specserve_kernels.kv_move.check_moves`)."""
         packed = torch.tensor([*src, *dst, *segments], dtype=torch.int64)
-        self._apply_moves(packed.to(self.kv_cache.k.device, non_blocking=True), len(src))
+        self._apply_moves(to_device(packed, self.kv_cache.k.device), len(src))
 
     def _apply_moves(self, packed: torch.Tensor, moves: int) -> None:
         src, dst, segments = packed[:moves], packed[moves : 2 * moves], packed[2 * moves :]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.engine.host_copy import to_device
 from specserve.engine.sampler import (
     SamplingBatch,
     SamplingRow,
@@ -71,7 +72,7 @@ def verify_trees(
     cand_tokens, cand_rows = _candidate_blocks(trees, sizes, width)
     batch = SamplingBatch.build(rows, device)
     host = torch.from_numpy(np.stack([cand_tokens, cand_rows]))
-    tokens, children = host.to(device, non_blocking=True).unbind(0)
+    tokens, children = to_device(host, device).unbind(0)
     present = tokens >= 0
     starts_host = np.cumsum([0, *sizes[:-1]])
     if batch.all_greedy:
@@ -81,7 +82,7 @@ def verify_trees(
         u = torch.full(accept.shape, 0.5, dtype=torch.float64, device=device)
     else:
         accept, draws, u = _sampled_tests(logits, batch, banned, trees, sizes, starts_host, tokens, present)
-    starts = torch.from_numpy(starts_host).to(device, non_blocking=True)
+    starts = to_device(torch.from_numpy(starts_host), device)
     depth = (
         max(int(t.depths.max()) for t in trees if t is not None) if any(t is not None for t in trees) else 0
     )

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.engine.host_copy import to_device
 from specserve.engine.sampler import (
     SamplingBatch,
     SamplingRow,
@@ -57,7 +58,7 @@ def verify_chains(
     flat = [t for chain in drafts for t in (*chain, 0)]
     has = [j < n for n in counts for j in range(n + 1)]
     host = torch.tensor([flat, has, [*_starts(counts), *[0] * (len(flat) - len(counts))]], dtype=torch.long)
-    draft, mask, starts = host.to(device, non_blocking=True).unbind(0)
+    draft, mask, starts = to_device(host, device).unbind(0)
     starts = starts[: len(counts)]
     probs = filtered_probs(logits, batch, banned)
     one_hot = torch.zeros_like(probs).scatter_(1, draft[:, None], mask[:, None].to(probs.dtype))
@@ -75,7 +76,7 @@ def verify_chains(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
     replacement = sample_from_probs(residual, batch)
     chain = verify_chain if use_triton(device) else verify_chain_ref
-    num_drafts = torch.tensor(counts, dtype=torch.long).to(device, non_blocking=True)
+    num_drafts = to_device(torch.tensor(counts, dtype=torch.long), device)
     tokens, accepted = chain(
         probs,
         draft,
