@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.engine.host_copy import to_device
 from specserve.engine.request import LogprobRecord
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.step_input import StepInput
@@ -30,7 +31,7 @@ def compute_logprobs(
     """`targets[i]` is the token whose logprob row `rows[i]` reports."""
     if not rows:
         return []
-    index = torch.tensor([r.row for r in rows], device=logits.device)
+    index = to_device(torch.tensor([r.row for r in rows]), logits.device)
     logprobs = torch.log_softmax(logits[index], dim=-1)
     own = logprobs.gather(1, targets.view(-1, 1)).squeeze(1)
     k = max(r.top_k for r in rows)
@@ -54,11 +55,8 @@ def _chosen_ids(logprobs: torch.Tensor, rows: Sequence[LogprobRow]) -> torch.Ten
     """Flat logprobs of every row's named ids (validated against the vocabulary at admission)."""
     row_index = [i for i, r in enumerate(rows) for _ in r.token_ids or ()]
     col_index = [t for r in rows for t in r.token_ids or ()]
-    device = logprobs.device
-    return logprobs[
-        torch.tensor(row_index, dtype=torch.long, device=device),
-        torch.tensor(col_index, dtype=torch.long, device=device),
-    ]
+    index = to_device(torch.tensor([row_index, col_index], dtype=torch.long), logprobs.device)
+    return logprobs[index[0], index[1]]
 
 
 @dataclass

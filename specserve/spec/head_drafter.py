@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input
@@ -148,7 +149,7 @@ class HeadDrafter(Drafter):
             return
         inp = build_draft_input([(f.request, f.start, f.tokens) for f in feeds], self.page_size, self.device)
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
-        rows = torch.tensor([r for f in feeds for r in f.rows], device=features.device)
+        rows = to_device(torch.tensor([r for f in feeds for r in f.rows]), features.device)
         hidden = features.index_select(0, rows).to(self.dtype)
         lens = [len(f.tokens) for f in feeds]
         first_rows = np.cumsum([0, *lens[:-1]])
@@ -178,7 +179,7 @@ class HeadDrafter(Drafter):
         seeded = [b for b, f in enumerate(feeds) if f.seed]
         tokens, q, logits = [], None, None
         if seeded:
-            index = torch.tensor(seeded, device=self.device)
+            index = to_device(torch.tensor(seeded), self.device)
             logits = self.head.logits(0, seed_hidden.index_select(0, index))
             reqs = [feeds[b].request for b in seeded]
             counters = [feeds[b].next_output for b in seeded]
@@ -303,7 +304,7 @@ class HeadDrafter(Drafter):
                 dst_row.append(rows.setdefault((b, n), len(search.reqs) + len(rows)))
         inp = build_draft_input(feeds, self.page_size, self.device, fed.forest, fed.rows)
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
-        index = torch.tensor([src_module, src_row, dst_row], device=self.device)
+        index = to_device(torch.tensor([src_module, src_row, dst_row]), self.device)
         hidden = bank[index[0], index[1]]
         out, to_logits = self.head.run(module, inp.input_ids, hidden, inp.positions, ctx, from_target=False)
         bank[module].index_copy_(0, index[2], out.to(bank.dtype))
@@ -324,4 +325,4 @@ def _shift_in(out: torch.Tensor, previous: torch.Tensor, first_rows: np.ndarray,
     """Row r of the result is out[r - 1], except each feed's first row, which takes `previous`."""
     index = np.arange(out.shape[0]) - 1 + previous.shape[0]
     index[first_rows] = np.arange(previous.shape[0])
-    return torch.cat([previous, out]).index_select(0, torch.from_numpy(index).to(device))
+    return torch.cat([previous, out]).index_select(0, to_device(torch.from_numpy(index), device))

@@ -94,7 +94,7 @@ def verify_trees(
         u.contiguous(),
         draws,
         starts,
-        torch.tensor(sizes, dtype=torch.long, device=device),
+        to_device(torch.tensor(sizes, dtype=torch.long), device),
         depth + 1,
         vocab=logits.shape[1],
         check_bounds=check_bounds,
@@ -113,7 +113,7 @@ def _sampled_tests(logits, batch, banned, trees, sizes, starts_host, tokens, pre
     sampled = [t is not None and t.q is not None for t in trees]
     if any(sampled):
         blocks = [np.arange(s, s + n) for s, n, x in zip(starts_host, sizes, sampled, strict=True) if x]
-        index = torch.from_numpy(np.concatenate(blocks)).to(probs.device)
+        index = to_device(torch.from_numpy(np.concatenate(blocks)), probs.device)
         q = torch.cat([t.q for t, s in zip(trees, sampled, strict=True) if s]).to(probs.device, probs.dtype)
         a, res = _recursive(probs[index], q, tokens[index], present[index])
         accept, residual = accept.index_copy(0, index, a), residual.index_copy(0, index, res)
