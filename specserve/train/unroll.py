@@ -38,8 +38,9 @@ from specserve.train.dataset import Batch
 @dataclass(frozen=True)
 class TargetPass:
     features: torch.Tensor  # [B, S, F] what the head's module 0 reads
-    label_logits: torch.Tensor  # [N, V] fp32 target logits at the label rows
-    label_index: torch.Tensor  # [B * S] row of `label_logits` for each position, -1 where none
+    label_logp: torch.Tensor  # [N, V_draft] fp32 target log-probabilities at the label rows
+    label_index: torch.Tensor  # [B * S] row of `label_logp` for each position, -1 where none
+    label_keep: torch.Tensor | None  # [N] bool: the target's argmax is in the draft vocabulary
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,18 @@ class StepResult:
 
 
 @torch.no_grad()
-def target_pass(target: LlamaForCausalLM, batch: Batch, capture: tuple[int, ...]) -> TargetPass:
-    """The target's features at every position and its logits where they are labels: positions q
-    with prompt_len - 1 <= q <= length - 2 (each predicts an answer token that exists)."""
+def target_pass(
+    target: LlamaForCausalLM,
+    batch: Batch,
+    capture: tuple[int, ...],
+    draft_to_target: torch.Tensor | None = None,
+    t2d: torch.Tensor | None = None,
+) -> TargetPass:
+    """The target's features at every position and its log-probabilities where they are labels:
+    positions q with prompt_len - 1 <= q <= length - 2 (each predicts an answer token that exists).
+    With a reduced draft vocabulary (`draft_to_target`, `t2d`) the log-probabilities are renormalised
+    over it, and `label_keep` marks the rows whose argmax it contains. Done once per batch: every
+    chain step scores a shifted subset of these rows (twice, with the loss recomputed backwards)."""
     bsz, seq = batch.ids.shape
     positions = torch.arange(seq, device=batch.ids.device)
     ctx = CausalContext(bsz, seq)
@@ -63,9 +73,14 @@ def target_pass(target: LlamaForCausalLM, batch: Batch, capture: tuple[int, ...]
     index = torch.full((bsz * seq,), -1, dtype=torch.long, device=rows.device)
     index[rows] = torch.arange(rows.shape[0], device=rows.device)
     logits = target.compute_logits(hidden.index_select(0, rows))
+    keep = None
+    if draft_to_target is not None:
+        keep = t2d[logits.argmax(-1)]
+        logits = logits[:, draft_to_target]
+    logp = logits.float().log_softmax(-1)
     features = (hidden if aux is None else aux).view(bsz, seq, -1)
     # Out of inference mode: autograd may save these (the head's first matmul reads the features).
-    return TargetPass(features.clone(), logits.clone(), index)
+    return TargetPass(features.clone(), logp.clone(), index, None if keep is None else keep.clone())
 
 
 def unroll(head: DraftHead, ids: torch.Tensor, features: torch.Tensor, steps: int) -> Iterator[tuple]:
@@ -109,7 +124,7 @@ def unrolled_loss(
     t2d: torch.Tensor | None = None,
 ) -> StepResult:
     """The weighted loss of one batch (`t2d`: [V] bool, the reduced draft vocabulary, if any)."""
-    tp = target_pass(target, batch, head.spec.aux_layers)
+    tp = target_pass(target, batch, head.spec.aux_layers, head.draft_to_target, t2d)
     bsz, seq = batch.ids.shape
     positions = torch.arange(seq, device=batch.ids.device).expand(bsz, seq).flatten()
     flat_row = torch.arange(bsz * seq, device=batch.ids.device)
@@ -122,16 +137,13 @@ def unrolled_loss(
         if rows.numel() == 0:
             continue
         weight = head.output_head(head.module_for_step(s)).weight
-        loss, acc, used = checkpoint(
-            _soft_cross_entropy,
-            to_logits.flatten(0, 1).index_select(0, rows),
-            weight,
-            tp.label_logits,
-            label.index_select(0, rows),
-            head.draft_to_target,
-            t2d,
-            use_reentrant=False,
-        )
+        label_rows = label.index_select(0, rows)
+        hidden = to_logits.flatten(0, 1).index_select(0, rows)
+        logp = tp.label_logp.index_select(0, label_rows)
+        if tp.label_keep is not None:  # score only where the target's choice is a draft token
+            keep = tp.label_keep.index_select(0, label_rows)
+            hidden, logp = hidden[keep], logp[keep]
+        loss, acc, used = checkpoint(_soft_cross_entropy, hidden, weight, logp, use_reentrant=False)
         total = total + decay**s * loss
         losses.append(float(loss.detach()))
         accuracy.append(float(acc))
@@ -142,20 +154,11 @@ def unrolled_loss(
 
 
 def _soft_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    label_logits: torch.Tensor,
-    label_rows: torch.Tensor,
-    draft_to_target: torch.Tensor | None,
-    t2d: torch.Tensor | None,
+    hidden: torch.Tensor, weight: torch.Tensor, logp: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean KL divergence of the head's distribution from the target's, top-1 agreement, rows scored)."""
-    target_logits = label_logits.index_select(0, label_rows)
-    if draft_to_target is not None:
-        keep = t2d[target_logits.argmax(-1)]  # the target's choice is in the draft vocabulary
-        hidden, target_logits = hidden[keep], target_logits[keep][:, draft_to_target]
+    """(mean KL divergence of the head's distribution from the target's `logp`, top-1 agreement,
+    rows scored)."""
     logq = F.linear(hidden, weight).float().log_softmax(-1)
-    logp = target_logits.log_softmax(-1)
     rows = logp.shape[0]
     # KL(target || head): the cross-entropy's gradient, with the target's entropy taken off so the
     # figure falls towards 0 as the head matches the target.
