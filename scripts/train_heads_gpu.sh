@@ -15,6 +15,9 @@
 #   EAGLE3_ARGS / MTP_ARGS: extra train-draft flags, e.g. EAGLE3_ARGS="--draft-vocab 4096 --intermediate-size 768"
 #   DEVICE=cpu SMOKE=1: a few steps of everything on the CPU, to check the script itself.
 #   EVAL_TOKENS=128: new tokens per MT-Bench prompt in each evaluation.
+#   GEN_BATCH=64: requests each data worker decodes together. The first run's 4 workers x 64 made
+#   6.4k answer tokens/s in all, where one engine alone decodes 20k tok/s at batch 64: processes
+#   time-slicing one GPU; WORKERS=1 GEN_BATCH=256 is the next thing to try.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
 #   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
 set -uo pipefail
@@ -48,8 +51,9 @@ TRAIN=(python3 -P -m specserve.cli train-draft --device "$DEVICE" --no-progress)
 # 128 new tokens per MT-Bench prompt: the first run's evaluation at 256 used up the call before MTP trained.
 EVAL=(--eval-steps 5 --eval-temperatures 0,0.7 --eval-tree 8:32 --eval-tree 4:16 --eval-max-new-tokens "${EVAL_TOKENS:-128}")
 STEPS=()
+DATA=(--gen-batch "${GEN_BATCH:-64}")
 if [ -n "${SMOKE:-}" ]; then  # every phase, tiny: checks the script, measures nothing
-  DATA=(--num-prompts 8 --max-new-tokens 24)
+  DATA+=(--num-prompts 8 --max-new-tokens 24)
   STEPS=(--max-steps 2 --tokens-per-batch 1024)
   EVAL+=(--eval-prompts 4 --eval-max-new-tokens 16)
   WORKERS=2
