@@ -6,7 +6,8 @@ sampling kernels (what a GPU runs while the host works) are timed apart and left
 the host's share of a step, split by phase and divided by the batch: scheduling, input building, the
 rest of the launch (sampling rows, bookkeeping), settling (tokens, detokenisation, stop checks,
 outputs), the end of the step (stats, metrics sink) and the caller's loop. With `--cprofile` the
-same steps run again under cProfile and its top entries are printed.
+same steps run again under cProfile and its top entries are printed (by own time, or by
+`PROFILE_SORT`, e.g. cumulative).
 
 By default the lm_head scores only the first `--logit-vocab` ids (the tokens drawn are real
 tokens of the vocabulary all the same): on the CPU a full vocabulary means 12 MB of logits written
@@ -20,6 +21,7 @@ every one of them read 3-5x slower than on a GPU host, where that work runs on t
 from __future__ import annotations
 
 import argparse
+import os
 import cProfile
 import gc
 import json
@@ -219,7 +221,7 @@ def main() -> None:
         run_steps(llm, args.steps)
         profiler.disable()
         finish(llm, ids)
-        stats = pstats.Stats(profiler).sort_stats("tottime")
+        stats = pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "tottime"))
         stats.print_stats(args.cprofile)
 
 
