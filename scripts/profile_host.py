@@ -21,10 +21,10 @@ every one of them read 3-5x slower than on a GPU host, where that work runs on t
 from __future__ import annotations
 
 import argparse
-import os
 import cProfile
 import gc
 import json
+import os
 import pstats
 import tempfile
 import time
