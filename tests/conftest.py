@@ -124,6 +124,19 @@ def mtbench_questions() -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def small_vocab_target(smollm2_gguf, tmp_path_factory):
+    """The seeded random tiny Llama-3 with a 96-token vocabulary (CPU, fp32), loaded once: its outputs
+    repeat, so n-gram drafts come and get accepted. The speculative and training tests' `target`."""
+    from specserve.model.loader import load_model
+    from specserve.model.tokenizer import load_tokenizer
+
+    from tiny_models import save_tiny_llama3
+
+    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), 96)
+    return load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(smollm2_gguf, tmp_path_factory):
     """A seeded random tiny Llama-3 with SmolLM2's tokenizer and chat template, loaded once (CPU, fp32);
     engines built on it share the weights."""

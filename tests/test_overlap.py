@@ -7,22 +7,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.request import FUTURE_TOKEN
-from specserve.model.loader import load_model
-from specserve.model.tokenizer import load_tokenizer
-
-from tiny_models import save_tiny_llama3
 
 VOCAB = 96
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("overlap") / "t", load_tokenizer(smollm2_gguf), VOCAB)
-    return load_model(str(folder), torch.device("cpu"), torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 def _llm(target, overlap: bool, **kwargs) -> LLM:

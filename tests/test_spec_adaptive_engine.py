@@ -32,7 +32,6 @@ from specserve.spec.drafter import Drafter
 from specserve.spec.step_costs import DRAFT, VERIFY
 
 from engine_utils import assert_follows, last_logits, motif_prompts
-from tiny_models import save_tiny_llama3
 
 VOCAB = 96
 MS = 1e-3
@@ -41,9 +40,8 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
-    return load_model(str(folder), torch.device("cpu"), torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 @pytest.fixture(scope="module")

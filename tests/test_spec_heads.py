@@ -18,10 +18,6 @@ from head_reference import reference_step_logits
 from specserve import LLM, SamplingParams
 from specserve.engine.sampler import SamplingBatch, filtered_probs
 from specserve.model.head_checkpoint import load_head, random_head, save_head
-from specserve.model.loader import load_model
-from specserve.model.tokenizer import load_tokenizer
-
-from tiny_models import save_tiny_llama3
 
 VOCAB = 96
 HEADS = {
@@ -32,9 +28,8 @@ HEADS = {
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
-    return load_model(str(folder), torch.device("cpu"), torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,13 @@ model over the same vocabulary.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specserve import LLM, SamplingParams
 from specserve.model.head_checkpoint import random_head, save_head
-from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
 
 from engine_utils import motif_prompts
-from tiny_models import save_tiny_llama3, save_tiny_qwen2
+from tiny_models import save_tiny_qwen2
 
 VOCAB = 96
 METHODS = ("ngram", "standalone", "eagle", "eagle3", "mtp")
@@ -25,10 +23,8 @@ PARAMS = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    tokenizer = load_tokenizer(smollm2_gguf)
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", tokenizer, VOCAB)
-    return load_model(str(folder), torch.device("cpu"), torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 @pytest.fixture(scope="module")

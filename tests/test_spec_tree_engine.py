@@ -21,20 +21,16 @@ from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings
 from specserve.engine.step_input import build_step_input
 from specserve.model.head_checkpoint import random_head, save_head
-from specserve.model.loader import load_model
-from specserve.model.tokenizer import load_tokenizer
 
 from engine_utils import assert_logprobs_equal, last_logits
-from tiny_models import save_tiny_llama3
 
 VOCAB = 96
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
-    return load_model(str(folder), torch.device("cpu"), torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,12 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from specserve import LLM, SamplingParams
 from specserve.engine.stats import SpecSettings
 from specserve.model.head_checkpoint import random_head, save_head
-from specserve.model.loader import load_model
-from specserve.model.tokenizer import load_tokenizer
 
 from engine_utils import motif_prompts
-from tiny_models import save_tiny_llama3
 
 VOCAB = 96
 METHODS = ("ngram", "standalone", "eagle", "eagle3", "mtp")
@@ -36,9 +32,8 @@ CASES = [(METHODS[i % len(METHODS)], *combo) for i, combo in enumerate(COMBOS)]
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
-    return load_model(str(folder), torch.device("cpu"), torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from specserve.cli import main
 from specserve.config import SpeculativeConfig
 from specserve.model.head_checkpoint import load_head, random_head, save_head
 from specserve.model.loader import load_model
-from specserve.model.tokenizer import load_tokenizer
 from specserve.serve.config import ServeConfig
 from specserve.train.checkpoint import export_head
 from specserve.train.data import GenerationSettings, generate_responses, load_samples
@@ -28,16 +27,13 @@ from specserve.train.evaluate import measure_acceptance
 from specserve.train.trainer import TrainConfig, new_head, train_head
 from specserve.train.unroll import target_pass, unroll
 
-from tiny_models import save_tiny_llama3
-
 VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_gguf, tmp_path_factory):
-    folder = save_tiny_llama3(tmp_path_factory.mktemp("target") / "t", load_tokenizer(smollm2_gguf), VOCAB)
-    return load_model(str(folder), CPU, torch.float32)
+def target(small_vocab_target):
+    return small_vocab_target
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
