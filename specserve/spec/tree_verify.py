@@ -82,7 +82,7 @@ def verify_trees(
         u = torch.full(accept.shape, 0.5, dtype=torch.float64, device=device)
     else:
         accept, draws, u = _sampled_tests(logits, batch, banned, trees, sizes, starts_host, tokens, present)
-    starts = to_device(torch.from_numpy(starts_host), device)
+    starts, sizes_dev = to_device(torch.from_numpy(np.stack([starts_host, sizes])), device).unbind(0)
     depth = (
         max(int(t.depths.max()) for t in trees if t is not None) if any(t is not None for t in trees) else 0
     )
@@ -94,7 +94,7 @@ def verify_trees(
         u.contiguous(),
         draws,
         starts,
-        to_device(torch.tensor(sizes, dtype=torch.long), device),
+        sizes_dev,
         depth + 1,
         vocab=logits.shape[1],
         check_bounds=check_bounds,

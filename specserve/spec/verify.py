@@ -57,9 +57,10 @@ def verify_chains(
     counts = [len(d) for d in drafts]
     flat = [t for chain in drafts for t in (*chain, 0)]
     has = [j < n for n in counts for j in range(n + 1)]
-    host = torch.tensor([flat, has, [*_starts(counts), *[0] * (len(flat) - len(counts))]], dtype=torch.long)
-    draft, mask, starts = to_device(host, device).unbind(0)
-    starts = starts[: len(counts)]
+    pad = [0] * (len(flat) - len(counts))  # per-chain rows are shorter than per-token ones
+    host = torch.tensor([flat, has, [*_starts(counts), *pad], [*counts, *pad]], dtype=torch.long)
+    draft, mask, starts, num_drafts = to_device(host, device).unbind(0)  # one copy
+    starts, num_drafts = starts[: len(counts)], num_drafts[: len(counts)]
     probs = filtered_probs(logits, batch, banned)
     one_hot = torch.zeros_like(probs).scatter_(1, draft[:, None], mask[:, None].to(probs.dtype))
     if draft_probs is None:
@@ -76,7 +77,6 @@ def verify_chains(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
     replacement = sample_from_probs(residual, batch)
     chain = verify_chain if use_triton(device) else verify_chain_ref
-    num_drafts = to_device(torch.tensor(counts, dtype=torch.long), device)
     tokens, accepted = chain(
         probs,
         draft,
