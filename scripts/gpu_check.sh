@@ -16,8 +16,12 @@ cp ~/staged/SmolLM2-135M-Instruct.Q4_1.gguf "$SPECSERVE_CACHE/assets/smollm2-135
 cp .devcarry/question.jsonl "$SPECSERVE_CACHE/assets/mt-bench/"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 [ -n "${PROFILE:-}" ] && python3 -P scripts/profile_step.py 2>&1 | tee "$OUT/profile.log"
-# PROFILE_SPEC="eagle3:5x8x32:.devcarry/heads/eagle3" (a --spec string): where a speculative step's time goes.
-[ -n "${PROFILE_SPEC:-}" ] && SPEC="$PROFILE_SPEC" python3 -P scripts/profile_spec.py 2>&1 | tee "$OUT/profile_spec.log"
+# PROFILE_SPEC="eagle3:5x8x32:.devcarry/heads/eagle3" (--spec strings, ";" between several): where a
+# speculative step's time goes.
+IFS=';' read -ra PROFILE_SPECS <<< "${PROFILE_SPEC:-}"
+for spec in "${PROFILE_SPECS[@]}"; do
+  SPEC="$spec" python3 -P scripts/profile_spec.py 2>&1 | tee -a "$OUT/profile_spec.log"
+done
 [ -z "${SKIP_GPU_TESTS:-}" ] && python3 -P -m pytest -m gpu -s -q -p no:cacheprovider tests/test_gpu.py tests/test_sampler.py tests/test_hybrid.py tests/test_host_copy.py 2>&1 | tee "$OUT/gpu_tests.log"
 # The Triton kernels natively (and the CUDA graphs against eager steps), against their torch references on fresh random inputs; the Triton
 # attention backend against the torch one (tiny model and SmolLM2), the optional flash backend against it

@@ -67,7 +67,9 @@ for bs in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,16").split(",")]
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
-    print(text.getvalue()[-6000:])
+    # Cumulative time of our own functions: which phase a slow call sits under.
+    pstats.Stats(prof, stream=text).sort_stats("cumtime").print_stats("specserve", 25)
+    print(text.getvalue()[-12000:])
 llm.engine.flush_cache()
 if CUDA:
     torch.cuda.set_sync_debug_mode("warn")

@@ -3,11 +3,13 @@ on, the host phases of a step (engine StepStats), the pure replay time of a grap
 floor), and a torch.profiler table of a few batch-1 steps.
 
 Environment: PROFILE_CONFIGS (default "00,10,11": CUDA graphs then overlap scheduling, each 0/1),
-PROFILE_TOKENS (new tokens, default 256).
+PROFILE_TOKENS (new tokens, default 256), PROFILE_CPROFILE=1 (each timed run again under cProfile).
 """
 
+import cProfile
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -22,6 +24,8 @@ TOKENS = int(os.environ.get("PROFILE_TOKENS", "256"))
 
 
 def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict[str, float]]:
+    """Seconds for TOKENS new tokens per prompt, and host ms per step by phase with the spread of
+    whole steps (p50 / p90 / max: one slow outlier, a compile say, against every step slow)."""
     sink = PhaseTotals()
     llm.engine.attach_stats_sink(sink)
     llm.engine.flush_cache()
@@ -31,7 +35,7 @@ def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict[str, float]]:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     llm.engine.stats_sink = None
-    return seconds, sink.ms_per_step()
+    return seconds, {**sink.ms_per_step(), **{f"step_{k}": v for k, v in sink.step_spread().items()}}
 
 
 def replay_us(llm: LLM, bucket: tuple[int, int], n: int = 200) -> float:
@@ -64,6 +68,11 @@ for graphs, overlap in os.environ.get("PROFILE_CONFIGS", "00,10,11").split(","):
     for bs in (1, 64):
         seconds, phases = timed(llm, prompts[:bs])
         rows.append((graphs, overlap, bs, seconds, phases))
+        if os.environ.get("PROFILE_CPROFILE"):  # the same run again under cProfile: the host's functions
+            prof = cProfile.Profile()
+            prof.runcall(timed, llm, prompts[:bs])
+            print(f"cProfile, graphs={graphs} overlap={overlap} batch {bs}:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if graphs == "1":
         graphed_llm = llm
 print(f"{'graphs':>7}{'overlap':>8}{'batch':>7}{'tok/s':>10}  host ms per step by phase")

@@ -19,6 +19,7 @@ from specserve.config import EngineConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.step_input import build_step_input
+from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
 
@@ -104,6 +105,49 @@ def test_speculative_verify_matches_torch_backend(small_target, triton_cpu, page
     assert_same_outputs(outs, reference)
     assert sum(o.meta["spec_draft_tokens"] for o in outs) >= 6
     assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
+
+
+@pytest.mark.parametrize(
+    "method,shape",
+    [
+        ("eagle3", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}),  # forests under a tree mask
+        ("mtp", {"num_steps": 3}),
+        ("standalone", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}),
+    ],
+)
+def test_model_drafters_attend_with_the_triton_kernels(small_target, triton_cpu, tmp_path, method, shape):
+    """Beside a Triton target, model drafters attend over their own KV with the same kernels (on
+    CUDA the torch backend's SDPA re-planned for every new length): same drafts as the torch backend."""
+    if method == "standalone":
+        draft = small_target.location.path
+    else:
+        kw = {"draft_vocab_size": 64} if method == "eagle3" else {"num_modules": 2}
+        draft = save_head(tmp_path / method, *random_head(method, small_target.arch, seed=5, **kw))
+    spec = {"method": method, "draft_model": str(draft), **shape}
+    params = _params(12)
+    runs = {}
+    for backend in ("torch", "triton"):
+        llm = _llm(small_target, backend, 16, speculative=spec)
+        drafts = _record_drafts(llm.engine.drafter)
+        runs[backend] = llm.generate(SMALL_PROMPTS, params), drafts
+    assert isinstance(llm.engine.drafter.backend, TritonAttentionBackend)
+    assert_same_outputs(runs["triton"][0], runs["torch"][0])
+    assert runs["triton"][1] == runs["torch"][1]
+    assert sum(len(d) for d in runs["torch"][1]) >= 6
+
+
+def _record_drafts(drafter) -> list[list[int]]:
+    """Every draft the drafter proposes, in order (its `draft` / `draft_tree` wrapped)."""
+    drafts: list[list[int]] = []
+    for name in ("draft", "draft_tree"):
+        inner = getattr(drafter, name)
+
+        def wrapped(reqs, *args, inner=inner):
+            inner(reqs, *args)
+            drafts.extend(list(r.draft or []) for r in reqs)
+
+        setattr(drafter, name, wrapped)
+    return drafts
 
 
 def test_references_serve_without_the_interpreter(tiny_llama, monkeypatch):

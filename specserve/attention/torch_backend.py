@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.attention.backend import AttentionBackend, AttentionBatch, AttentionContext
 from specserve.engine.kv_cache import KVCache
+
+
+# Never cuDNN: it builds a plan for every new shape, and these shapes change every step (the context
+# length grows). On the H100 an EAGLE-3 tree draft over new lengths took 320 ms a step with it, the
+# same steps again (plans cached) 20 ms.
+_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class TorchAttentionContext(AttentionContext):
@@ -28,7 +35,8 @@ class TorchAttentionContext(AttentionContext):
         keys = self.kv.k[layer][self.key_slots].transpose(1, 2)  # [B, KvH, S, D]
         values = self.kv.v[layer][self.key_slots].transpose(1, 2)
         queries = q[self.query_index].transpose(1, 2)  # [B, H, Q, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, enable_gqa=True)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B*Q, H, D]
         return out.index_select(0, self.output_rows)
 

@@ -454,13 +454,14 @@ class Engine:
             return NgramDrafter(spec.ngram_min_match, spec.ngram_max_match)
         page_size, vocab = self.config.cache.page_size, self.arch.vocab_size
         if isinstance(weights, DraftHead):
-            return HeadDrafter(weights, vocab, num_pages, page_size)
+            return HeadDrafter(weights, vocab, num_pages, page_size, drafter_backend(self.backend))
         if weights.arch.max_position < self.max_model_len:
             raise ValueError(
                 f"speculative.draft_model: its context ({weights.arch.max_position}) is shorter than "
                 f"max_model_len ({self.max_model_len}); set max_model_len <= {weights.arch.max_position}"
             )
-        return StandaloneDrafter(weights, vocab, num_pages, page_size, self.dtype, self.device)
+        backend = drafter_backend(self.backend)
+        return StandaloneDrafter(weights, vocab, num_pages, page_size, self.dtype, self.device, backend)
 
     def _num_pages(self, draft_arch: ModelArch | None) -> int:
         per_token = KVCache.bytes_per_token(self.arch, self.dtype, local_kv_heads(self.arch, self.tp))
@@ -758,6 +759,14 @@ def attention_backend(config: EngineConfig) -> AttentionBackend:
     if name == "flash":  # checked here, where it runs: the library must import on this machine
         return flash_attention_backend(config.torch_device(), config.torch_dtype())
     return {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[name]()
+
+
+def drafter_backend(target: AttentionBackend) -> AttentionBackend:
+    """A model drafter's attention over its own KV: the torch reference beside a torch target, else our
+    Triton kernels (flash cannot express a draft tree's mask). Drafters used the torch backend on
+    CUDA too, whose SDPA picked cuDNN and re-planned for every new context length: 320 ms an EAGLE-3
+    tree draft step on the H100."""
+    return TorchAttentionBackend() if isinstance(target, TorchAttentionBackend) else TritonAttentionBackend()
 
 
 def context_length(config: EngineConfig, arch: ModelArch) -> int:

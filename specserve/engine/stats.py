@@ -89,12 +89,21 @@ class PhaseTotals:
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
         self.steps = 0
+        self.step_seconds: list[float] = []  # each step's whole host time: are slow steps rare or all?
 
     def record_step(self, stats: StepStats) -> None:
         if "step" in stats.phases:
             self.steps += 1
+            self.step_seconds.append(stats.phases["step"])
             for name, seconds in stats.phases.items():
                 self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def step_spread(self) -> dict[str, float]:
+        """Median, 90th percentile and largest step time, ms (empty before any step)."""
+        if not self.step_seconds:
+            return {}
+        ms = sorted(s * 1e3 for s in self.step_seconds)
+        return {"p50": ms[len(ms) // 2], "p90": ms[int(len(ms) * 0.9)], "max": ms[-1]}
 
     def ms_per_step(self) -> dict[str, float]:
         return (

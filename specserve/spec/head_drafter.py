@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.backend import AttentionBackend
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
@@ -79,14 +79,16 @@ class Backlog:
 class HeadDrafter(Drafter):
     needs_pages = True
 
-    def __init__(self, head: DraftHead, vocab: int, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, head: DraftHead, vocab: int, num_pages: int, page_size: int, backend: AttentionBackend
+    ) -> None:
         self.head, self.vocab, self.page_size = head, vocab, page_size
         self.num_modules = len(head.step_modules)
         self.capture = head.spec.aux_layers
         weight = next(head.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(head.spec.arch, num_pages, page_size, self.dtype, self.device)
-        self.backend = TorchAttentionBackend()
+        self.backend = backend
 
     # ---- draft extend ----------------------------------------------------------------------
 

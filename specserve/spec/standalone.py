@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.backend import AttentionBackend
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
 from specserve.engine.step_input import DraftInput, build_draft_input
@@ -36,6 +36,7 @@ class StandaloneDrafter(Drafter):
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        backend: AttentionBackend,
     ) -> None:
         if draft.arch.is_hybrid:
             raise ValueError(
@@ -50,7 +51,7 @@ class StandaloneDrafter(Drafter):
         self.model, self.vocab = draft.model, target_vocab
         self.page_size, self.device = page_size, device
         self.kv_cache = KVCache.allocate(draft.arch, num_pages, page_size, dtype, device)
-        self.backend = TorchAttentionBackend()
+        self.backend = backend
 
     def draft(self, reqs: list[Request], budgets: list[int]) -> None:
         """Fill `draft` (and, for sampling requests, `draft_probs`) with up to each budget of tokens."""
