@@ -55,7 +55,7 @@ for bs in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,16").split(",")]
     sync()
     seconds = time.perf_counter() - start
     llm.engine.stats_sink = None
-    steps = ", ".join(f"{k}={v:.2f}" for k, v in sorted(sink.ms_per_step().items()))
+    steps = ", ".join(f"{k}={v:.2f}" for k, v in sorted({**sink.ms_per_step(), **sink.step_spread()}.items()))
     verifies = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
     print(
         f"batch {bs}: {bs * TOKENS / seconds:.0f} tok/s, {sink.steps} steps, {verifies} verifies; ms/step {steps}"
