@@ -49,7 +49,7 @@ def _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM: tl.constexpr):
     return xk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: no compile per size class
 def _fused_linear_kernel(
     x_ptr,
     w_ptr,
@@ -225,7 +225,7 @@ def fused_linear_ref(
     return out if residual is None else out + residual
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _qkv_rope_store_kernel(
     x_ptr,
     w_ptr,

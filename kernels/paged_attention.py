@@ -45,7 +45,10 @@ class PagedLayout(Protocol):
     custom_mask: torch.Tensor | None  # [B, >= Q, >= Q] bool among the new tokens; None = causal
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+# Every per-step integer is left unspecialised: Triton compiles a variant per (== 1, % 16 == 0, other)
+# class of each specialised int, and the page-table width and mask strides change from step to step,
+# so specialising them meant fresh compiles (a second or more each) deep into serving.
+@triton.jit(do_not_specialize=["stride_pt", "stride_mb", "stride_mq", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width"])  # a per-step size: no compile per size class
 def _verify_chain_kernel(
     probs_ptr,
     q_ptr,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cands", "width"])  # per-step sizes: no compile per size class
 def _verify_tree_kernel(
     accept_ptr,
     token_ptr,
