@@ -46,6 +46,7 @@ params = SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True)
 llm.generate(prompts[:2], params)
 print(f"speculative: {spec}")
 for bs in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,16").split(",")]:
+    llm.generate(prompts[:bs], params)  # warm-up over the same lengths: kernels compiled, graphs captured
     sink = PhaseTotals()
     llm.engine.attach_stats_sink(sink)
     llm.engine.flush_cache()

@@ -169,6 +169,7 @@ def generate_responses(
     in_flight: dict[str, int] = {}
     new: list[tuple[list[int], int, int]] = []
     began = saved = time.monotonic()
+    pace = _Pace()
     while True:
         late = deadline is not None and time.monotonic() >= deadline
         while not late and len(in_flight) < settings.in_flight and len(in_flight) + len(new) < budget:
@@ -184,20 +185,36 @@ def generate_responses(
                 engine.abort(request_id)
         if not in_flight:
             break
+        pace.steps += 1
+        pace.running += len(engine.scheduler.running)
         for out in engine.step():
             i = in_flight.pop(out.request_id, None) if out.finished else None
             if i is not None and out.finish_reason != "abort":
                 new.append((list(prompts[i]) + list(out.token_ids), len(prompts[i]), i))
         if time.monotonic() - saved >= settings.save_seconds:
-            samples, new, saved = _save(samples, new, path, began, log), [], time.monotonic()
+            samples, new, saved = _save(samples, new, path, began, log, pace), [], time.monotonic()
     while engine.has_unfinished():  # the aborted requests' last outputs
         engine.step()
-    return _save(samples, new, path, began, log)
+    return _save(samples, new, path, began, log, pace)
 
 
-def _save(samples: Samples, new: list, path: Path, began: float, log) -> Samples:
+@dataclass
+class _Pace:
+    """Engine steps and the running requests summed over them: the log's steps/s and mean batch say
+    whether slow generation is slow steps or small batches."""
+
+    steps: int = 0
+    running: int = 0
+
+
+def _save(samples: Samples, new: list, path: Path, began: float, log, pace: _Pace) -> Samples:
     samples = append(samples, new)
     save_samples(samples, path)
     answer_tokens = int(samples.lengths.sum() - samples.prompt_lens.sum())
-    log(f"data: {len(samples)} samples, {answer_tokens} answer tokens ({time.monotonic() - began:.0f}s)")
+    seconds = time.monotonic() - began
+    batch = pace.running / max(pace.steps, 1)
+    log(
+        f"data: {len(samples)} samples, {answer_tokens} answer tokens ({seconds:.0f}s; "
+        f"{pace.steps / max(seconds, 1e-9):.1f} steps/s, {batch:.0f} requests running a step)"
+    )
     return samples
