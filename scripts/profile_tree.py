@@ -142,8 +142,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--top", type=int, default=0, help="print cProfile's top N entries per configuration")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: no spinning workers)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
     print(
         f"ms per draft round (vocab {args.vocab}, median of {args.rounds} rounds; host: torch operators left out)"
     )

@@ -42,10 +42,11 @@ def _requests(rng: np.random.Generator, count: int, kinds: str) -> list[Request]
 
 
 def _logits(rng: np.random.Generator, rows: int, vocab: int) -> torch.Tensor:
-    """Random logits; some rows keep only a few tokens (-inf elsewhere), some ties, one all but one -inf."""
+    """Random logits; some rows keep only 1-3 tokens (-inf elsewhere: fewer children than topk, and
+    with one token a child as likely as its parent), some rows have ties."""
     x = torch.from_numpy(rng.normal(0, 2, (rows, vocab))).float()
     for r in range(rows):
-        kind = rng.integers(6)
+        kind = 0 if r == 0 else rng.integers(6)  # every expansion has a short row
         if kind == 0:  # support smaller than topk: the children stop at the first -inf
             x[r, rng.permutation(vocab)[: vocab - int(rng.integers(1, 4))]] = float("-inf")
         elif kind == 1:  # ties: equal scores order by node id
@@ -106,6 +107,7 @@ def _run_both(reqs, depths, topk, num_nodes, vocab, rng, maps=None):
         assert new.score[b, : len(nodes)].tolist() == [n.score for n in nodes]
         assert new.parent[b, : len(nodes)].tolist() == [n.parent for n in nodes]
     _assert_same_trees(new.trees(), ref.trees())
+    return new
 
 
 @pytest.mark.parametrize("kinds", ["greedy", "sampling", "mixed"])
@@ -118,7 +120,10 @@ def test_search_matches_the_reference(kinds, topk, num_nodes):
         reqs = _requests(rng, count, kinds)
         depths = rng.integers(0, 7, count).tolist()  # 0: nothing drafted for that request
         vocab = 6 if trial else 40  # a vocabulary smaller than topk: fewer children
-        _run_both(reqs, depths, topk, num_nodes, vocab, rng)
+        search = _run_both(reqs, depths, topk, num_nodes, vocab, rng)
+        if topk == 8 and not trial:  # the -inf rows did cut some nodes' children short
+            expanded = search.num_children[search.num_children > 0]
+            assert not len(expanded) or (expanded < topk).any()
 
 
 def test_search_matches_the_reference_with_a_draft_vocabulary():

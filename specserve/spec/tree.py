@@ -369,6 +369,7 @@ class TreeFeed:
 
 
 def tree_feed(search: TreeSearch, where: Expansion) -> TreeFeed:
+    """The feed of a frontier (nodes, not roots: a root's logits come from the drafter's own pass)."""
     shape = search.token.shape
     fed = np.zeros(shape[0] * shape[1], dtype=bool)  # flat over [request, node id]
     parent = search.parent.ravel()
