@@ -71,6 +71,10 @@ for bs in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,16").split(",")]
     # Cumulative time of our own functions: which phase a slow call sits under.
     pstats.Stats(prof, stream=text).sort_stats("cumtime").print_stats("specserve", 25)
     print(text.getvalue()[-12000:])
+    # Own time of the tree search and the step inputs (the host cost of draft trees).
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(r"tree\.py|step_input\.py", 20)
+    print(text.getvalue()[-6000:])
 llm.engine.flush_cache()
 if CUDA:
     torch.cuda.set_sync_debug_mode("warn")

@@ -35,10 +35,7 @@ def _grow(reqs, depth: int, topk: int, num_nodes: int, logits_at, vocab: int):
     search.expand(where, torch.stack([logits_at(b, []) for b in where.request]))
     step = 1
     while len(where := search.frontier(step)):
-        paths = [
-            [search.nodes[b][n].token for n in search.path(b, node)]
-            for b, node in zip(where.request, where.node, strict=True)
-        ]
+        paths = [search.path_tokens(b, node) for b, node in zip(where.request, where.node, strict=True)]
         search.expand(
             where, torch.stack([logits_at(b, p) for b, p in zip(where.request, paths, strict=True)])
         )

@@ -19,7 +19,9 @@ A draft tree (`Request.draft_tree`, topk > 1) is a request's tokens given as a f
 parent among the step's tokens (-1: the context before them). It sits at position start + depth but
 at context slot start + j, and sees its ancestors only: the step gets a custom mask, built on the
 device from the flat indices of its ancestor entries (a few hundred ints a tree), causal for every
-other request. A step with trees is padded only to a graph bucket that has a tree mask.
+other request. A step with trees is padded only to a graph bucket that has a tree mask. The forests
+of a step are laid out together (`Forest`: flat parents), one array pass per tree depth; a drafter's
+forward over draft-tree nodes comes in flat too (`build_forest_input`).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def build_step_input(
         page_size,
         device,
         pad,
-        forest if has_tree else None,
+        Forest.of(forest) if has_tree else None,
     )
     return StepInput(
         input_ids=input_ids,
@@ -193,6 +195,22 @@ def build_step_input(
         graphed=pad is not None,
         mask_entries=mask_entries,
     )
+
+
+@dataclass(frozen=True)
+class Forest:
+    """Some requests' tokens given as forests, flat: each token's parent among its request's tokens
+    (-1: the context before them)."""
+
+    members: np.ndarray  # [M] the requests (batch indices, ascending) whose tokens form forests
+    parents: np.ndarray  # [T_M] their tokens' parents, request after request
+
+    @staticmethod
+    def of(forests: Sequence[np.ndarray | None]) -> Forest:
+        """From one array per request (None: a causal chain)."""
+        members = [b for b, parents in enumerate(forests) if parents is not None]
+        parents = [np.asarray(forests[b], dtype=np.int64) for b in members]
+        return Forest(np.asarray(members, dtype=np.int64), np.concatenate(parents))
 
 
 def item_forest(item: ScheduledItem) -> np.ndarray | None:
@@ -226,37 +244,28 @@ def _input_logprob_rows(item: ScheduledItem) -> tuple[int, range] | None:
 
 def _batch_tensors(
     requests: list[Request],
-    starts: list[int],
-    query_lens: list[int],
-    ids: list[int],
+    starts: Sequence[int],
+    query_lens: Sequence[int],
+    ids: Sequence[int] | np.ndarray,
     extra: list,
     page_size: int,
     device: torch.device,
     pad: tuple[int, int] | None = None,
-    forest: list[np.ndarray | None] | None = None,
+    forest: Forest | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, list[torch.Tensor], torch.Tensor, int]:
     """Ids, positions and the attention layout of requests computing `query_lens` tokens from
     `starts` on, copied to the device in one transfer together with the caller's `extra` int arrays;
     then the flat buffer they all view, and the tree mask's entry count (-1: none). `pad` (batch,
-    query len): pad to that CUDA-graph bucket. `forest[b]`: request b's tokens as a forest (token
-    j's parent among them, -1 for the context): positions by depth, and a tree mask."""
-    # Plain lists: a decode step has one token per request, where per-request numpy calls cost more
-    # than the arithmetic.
-    positions: list[int] = []
-    slots: list[int] = []
-    for req, start, n in zip(requests, starts, query_lens, strict=True):
-        pages = req.pages
-        if n == 1:  # a decode: no loop
-            positions.append(start)
-            slots.append(pages[start // page_size] * page_size + start % page_size)
-            continue
-        for p in range(start, start + n):
-            positions.append(p)
-            slots.append(pages[p // page_size] * page_size + p % page_size)
+    query len): pad to that CUDA-graph bucket. `forest`: requests whose tokens form forests
+    (positions by depth, and a tree mask)."""
     seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
     query_start = np.concatenate([[0], np.cumsum(query_lens)])
     table = _page_table(requests, seq_lens, page_size)
     max_query_len = max(query_lens)
+    if max_query_len == 1 and len(ids) == len(requests):  # a decode: lists beat numpy calls there
+        positions, slots = _decode_slots(requests, starts, page_size)
+    else:
+        positions, slots = _token_slots(table, starts, query_lens, query_start, page_size)
     token_arrays = [np.asarray(a, dtype=np.int64) for a in (ids, positions, slots)]
     if pad is not None:
         batch, max_query_len = pad
@@ -266,58 +275,94 @@ def _batch_tensors(
         seq_lens = _pad(np.asarray(seq_lens, dtype=np.int64), batch, 0)
         table = np.concatenate([table, np.zeros((batch - len(requests), table.shape[1]), np.int64)])
     mask_arrays: list[np.ndarray] = []
-    if forest is not None and any(f is not None for f in forest):
-        padded = [*forest, *[None] * (len(seq_lens) - len(forest))]  # pad requests: causal
-        mask_arrays = _forest_layout(padded, starts, query_start, max_query_len, token_arrays[1])
+    if forest is not None and len(forest.members):
+        mask_arrays = _forest_layout(forest, starts, query_start, max_query_len, token_arrays[1])
     arrays = [*token_arrays, query_start, seq_lens, table, *extra, *mask_arrays]
     views, packed = _to_device(arrays, device)
     input_ids, pos, slots_t, *layout_tensors = views[:6]
     mask, mask_entries = None, -1
     if mask_arrays:
-        mask, mask_entries = tree_mask(*views[-2:], max_query_len), mask_arrays[1].shape[0]
+        all_forests = bool(mask_arrays[0].all())
+        mask, mask_entries = tree_mask(*views[-2:], max_query_len, all_forests), mask_arrays[1].shape[0]
     attention = _attention_batch([slots_t, *layout_tensors], page_size, max_query_len, max(seq_lens), mask)
     return input_ids, pos, attention, views[6 : 6 + len(extra)], packed, mask_entries
 
 
+def _decode_slots(
+    requests: list[Request], starts: Sequence[int], page_size: int
+) -> tuple[list[int], list[int]]:
+    """Positions and KV slots of one token per request."""
+    slots = [
+        req.pages[start // page_size] * page_size + start % page_size
+        for req, start in zip(requests, starts, strict=True)
+    ]
+    return list(starts), slots
+
+
+def _token_slots(
+    table: np.ndarray,
+    starts: Sequence[int],
+    query_lens: Sequence[int],
+    query_start: np.ndarray,
+    page_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (start, start + 1, ...) and KV slots of every token, from the page table."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    owner = np.repeat(np.arange(len(lens)), lens)
+    positions = np.asarray(starts, dtype=np.int64)[owner] + np.arange(query_start[-1]) - query_start[owner]
+    return positions, table[owner, positions // page_size] * page_size + positions % page_size
+
+
 def _forest_layout(
-    forest: list[np.ndarray | None],
-    starts: list[int],
+    forest: Forest,
+    starts: Sequence[int],
     query_start: np.ndarray,
     max_query_len: int,
     positions: np.ndarray,
 ) -> list[np.ndarray]:
     """Set the positions of forest requests' tokens (in place: start + depth); return the tree mask's
-    packed arrays: per request whether it is a forest, and the flat [B, Q, Q] index of every
-    (token, ancestor-or-self) pair of one."""
-    flags = np.zeros(len(forest), dtype=np.int64)
-    entries = []
-    for b, parents in enumerate(forest):
-        if parents is None:
-            continue
-        n = len(parents)
-        flags[b] = 1
-        seen = np.eye(n, dtype=bool)
-        depth = np.zeros(n, dtype=np.int64)
-        rows, parents = np.arange(n), np.asarray(parents, dtype=np.int64)
-        assert n == query_start[b + 1] - query_start[b] and (parents < rows).all(), "a parent after its child"
-        up = parents
-        while (live := up >= 0).any():  # every token one ancestor further up per round
-            seen[rows[live], up[live]] = True
-            depth += live
-            up = np.where(live, parents[np.maximum(up, 0)], -1)
-        positions[query_start[b] : query_start[b + 1]] = starts[b] + depth
-        i, j = np.nonzero(seen)
-        entries.append((b * max_query_len + i) * max_query_len + j)
-    return [flags, np.concatenate(entries)]
+    packed arrays: per request (padding included) whether it is a forest, and the flat [B, Q, Q]
+    index of every (token, ancestor-or-self) pair of one, ascending. Every forest at once: one
+    round per depth, each a few array operations over all their tokens."""
+    members, parents = forest.members, forest.parents
+    lens = query_start[members + 1] - query_start[members]
+    assert len(parents) == lens.sum(), "a forest's size is not its request's query length"
+    owner = np.repeat(members, lens)  # each token's request
+    first = np.repeat(np.cumsum(lens) - lens, lens)  # its request's first token in `parents`
+    local = np.arange(len(parents)) - first  # its index among its request's tokens
+    assert (parents < local).all(), "a parent after its child"
+    # (request, token, ancestor-or-self) triples, the token and its ancestor as local indices
+    pair_owner, rows, cols = [owner], [local], [local]
+    depth = np.zeros(len(parents), dtype=np.int64)
+    up = parents
+    while (live := up >= 0).any():  # every token one ancestor further up per round
+        pair_owner.append(owner[live])
+        rows.append(local[live])
+        cols.append(up[live])
+        depth += live
+        up = np.where(live, parents[first + np.maximum(up, 0)], -1)
+    positions[query_start[owner] + local] = np.asarray(starts, dtype=np.int64)[owner] + depth
+    entries = (np.concatenate(pair_owner) * max_query_len + np.concatenate(rows)) * max_query_len
+    entries += np.concatenate(cols)
+    flags = np.zeros(len(query_start) - 1, dtype=np.int64)
+    flags[members] = 1
+    return [flags, np.sort(entries)]
 
 
-def tree_mask(flags: torch.Tensor, entries: torch.Tensor, max_query_len: int) -> torch.Tensor:
+def tree_mask(
+    flags: torch.Tensor, entries: torch.Tensor, max_query_len: int, all_forests: bool = False
+) -> torch.Tensor:
     """The [B, Q, Q] custom mask on the device: causal for requests with flag 0, and for a forest
-    request exactly its (token, ancestor-or-self) `entries` (flat indices)."""
+    request exactly its (token, ancestor-or-self) `entries` (flat indices). `all_forests`: every
+    flag is 1 (a drafter's forest feed), known on the host: no causal part to build (3 operators)."""
+    shape = (flags.shape[0], max_query_len, max_query_len)
+    if all_forests:
+        mask = torch.zeros(math.prod(shape), dtype=torch.bool, device=flags.device)
+        return mask.index_fill_(0, entries, True).view(shape)
     rows = torch.arange(max_query_len, device=flags.device)
     causal = rows[:, None] >= rows[None, :]
     mask = (causal[None] & (flags == 0)[:, None, None]).contiguous()
-    return mask.view(-1).index_fill_(0, entries, True).view(mask.shape)
+    return mask.view(-1).index_fill_(0, entries, True).view(shape)
 
 
 def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -365,12 +410,10 @@ def _to_device(arrays: list, device: torch.device) -> tuple[list[torch.Tensor], 
 
 
 def _split(buffer: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        size = math.prod(shape)  # np.prod costs microseconds per call
-        out.append(buffer[offset : offset + size].view(shape))
-        offset += size
-    return out
+    """Views of `buffer` in `shapes`, in order: one split, then a view only for the 2-d ones."""
+    sizes = [math.prod(shape) for shape in shapes]  # np.prod costs microseconds per call
+    parts = buffer[: sum(sizes)].split(sizes)
+    return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -384,27 +427,45 @@ class DraftInput:
 
 
 def build_draft_input(
-    feeds: list[tuple[Request, int, list[int]]],
-    page_size: int,
-    device: torch.device,
-    forest: list[np.ndarray | None] | None = None,
-    rows: Sequence[int] | None = None,
+    feeds: list[tuple[Request, int, list[int]]], page_size: int, device: torch.device
 ) -> DraftInput:
     """Inputs for a drafter's own forward over (request, start position, tokens) — catch-up or one
-    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages.
-    `forest`: the feeds' tokens as forests (a draft tree's nodes, see `_batch_tensors`); `rows`: the
-    token rows whose outputs the caller reads (default: each feed's last)."""
+    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
     ids = [t for _, _, tokens in feeds for t in tokens]
     query_lens = [len(tokens) for _, _, tokens in feeds]
-    picked = np.cumsum(query_lens) - 1 if rows is None else np.asarray(rows, dtype=np.int64)
     input_ids, pos, attention, (last,), _, _ = _batch_tensors(
         [req for req, _, _ in feeds],
         [start for _, start, _ in feeds],
         query_lens,
         ids,
-        [picked],
+        [np.cumsum(query_lens) - 1],
         page_size,
         device,
-        forest=forest,
     )
     return DraftInput(input_ids, pos, attention, last)
+
+
+def build_forest_input(
+    requests: list[Request],
+    starts: Sequence[int],
+    tokens: np.ndarray,
+    lens: np.ndarray,
+    parents: np.ndarray,
+    rows: np.ndarray,
+    page_size: int,
+    device: torch.device,
+) -> DraftInput:
+    """A drafter's forward over draft-tree nodes: request b feeds the next `lens[b]` of the flat
+    `tokens` from context slot `starts[b]` on, as a forest (`parents`: each token's parent among its
+    request's, -1: the context); `rows` are the token rows whose outputs the caller reads."""
+    input_ids, pos, attention, (picked,), _, _ = _batch_tensors(
+        requests,
+        starts,
+        lens.tolist(),
+        tokens,
+        [rows],
+        page_size,
+        device,
+        forest=Forest(np.arange(len(requests), dtype=np.int64), parents),
+    )
+    return DraftInput(input_ids, pos, attention, picked)

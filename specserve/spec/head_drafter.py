@@ -43,7 +43,7 @@ from specserve.attention.backend import AttentionBackend
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
-from specserve.engine.step_input import build_draft_input
+from specserve.engine.step_input import build_draft_input, build_forest_input
 from specserve.model.draft_heads import DraftHead
 from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
@@ -276,7 +276,8 @@ class HeadDrafter(Drafter):
             device=self.device,
         )
         bank[:, : len(active)] = torch.stack([s.tails for s in states], dim=1)
-        rows: dict[tuple[int, int], int] = {}
+        # Each node's bank row once fed (-1: not yet), per (request, node id).
+        rows = np.full(search.token.shape, -1, dtype=np.int64)
         step = 1
         while len(where := search.frontier(step)):
             search.expand(where, self._tree_step(search, where, step, bank, rows))
@@ -290,23 +291,24 @@ class HeadDrafter(Drafter):
         where: Expansion,
         step: int,
         bank: torch.Tensor,
-        rows: dict[tuple[int, int], int],
+        rows: np.ndarray,
     ) -> torch.Tensor:
         """Draft logits at the nodes step `step` expands (their paths fed as forests)."""
         module = self.head.module_for_step(step)
         fed = tree_feed(search, where)
-        feeds, src_module, src_row, dst_row = [], [], [], []
-        for b, nodes in zip(fed.requests, fed.nodes, strict=True):
-            req = search.reqs[b]
-            feeds.append((req, req.draft_state.position + 1, [search.nodes[b][n].token for n in nodes]))
-            for n in nodes:
-                node = search.nodes[b][n]
-                src_module.append(module - 1 if node.depth <= module else module)
-                src_row.append(b if node.parent < 0 else rows[(b, node.parent)])
-                dst_row.append(rows.setdefault((b, n), len(search.reqs) + len(rows)))
-        inp = build_draft_input(feeds, self.page_size, self.device, fed.forest, fed.rows)
+        b, node = fed.request, fed.node
+        new = rows[b, node] < 0  # first fed now: the next bank rows, in feed order
+        rows[b[new], node[new]] = len(search.reqs) + (rows >= 0).sum() + np.arange(new.sum())
+        up = search.parent[b, node]
+        src_module = np.where(search.depth[b, node] <= module, module - 1, module)
+        src_row = np.where(up < 0, b, rows[b, np.maximum(up, 0)])
+        reqs = [search.reqs[i] for i in fed.requests.tolist()]
+        starts = [r.draft_state.position + 1 for r in reqs]
+        inp = build_forest_input(
+            reqs, starts, search.token[b, node], fed.lens, fed.forest, fed.rows, self.page_size, self.device
+        )
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
-        index = to_device(torch.tensor([src_module, src_row, dst_row]), self.device)
+        index = to_device(torch.from_numpy(np.stack([src_module, src_row, rows[b, node]])), self.device)
         hidden = bank[index[0], index[1]]
         out, to_logits = self.head.run(module, inp.input_ids, hidden, inp.positions, ctx, from_target=False)
         bank[module].index_copy_(0, index[2], out.to(bank.dtype))

@@ -19,7 +19,7 @@ import torch
 from specserve.attention.backend import AttentionBackend
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
-from specserve.engine.step_input import DraftInput, build_draft_input
+from specserve.engine.step_input import DraftInput, build_draft_input, build_forest_input
 from specserve.model.loader import LoadedModel
 from specserve.spec.drafter import Drafter, choose_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
@@ -100,11 +100,14 @@ class StandaloneDrafter(Drafter):
     def _tree_logits(self, search: TreeSearch, where: Expansion) -> torch.Tensor:
         """Logits at the expanded nodes: each request feeds the union of their paths as a forest."""
         fed = tree_feed(search, where)
-        feeds = []
-        for b, nodes in zip(fed.requests, fed.nodes, strict=True):
-            req = search.reqs[b]
-            feeds.append((req, len(req.token_ids), [search.nodes[b][n].token for n in nodes]))
-        return self._logits(build_draft_input(feeds, self.page_size, self.device, fed.forest, fed.rows))
+        reqs = [search.reqs[b] for b in fed.requests.tolist()]
+        tokens = search.token[fed.request, fed.node]
+        starts = [len(r.token_ids) for r in reqs]
+        return self._logits(
+            build_forest_input(
+                reqs, starts, tokens, fed.lens, fed.forest, fed.rows, self.page_size, self.device
+            )
+        )
 
     def _logits(self, inp: DraftInput) -> torch.Tensor:
         """The draft model's logits at `inp.last_rows`."""
