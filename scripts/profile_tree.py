@@ -9,9 +9,12 @@ and at the end `trees()`. Requests have 600 context tokens on shuffled pages of 
 Each configuration (batch x depth/topk/nodes x greedy|sampling) runs `--rounds` rounds. Every torch
 operator (log-softmax, top-k, the sampling noise over the whole vocabulary: what the GPU does while
 the host works; operators written as `a / b` included) is timed on its own through a
-`TorchFunctionMode` and left out: "host ms" is the rest of a round (Python and numpy, and the call
-overhead of each torch operator), next to the torch time, the operator count and the plain wall
-time. `--top N` also prints cProfile's top N entries by own time.
+`TorchFunctionMode` and left out, and so is what that timer itself adds per operator (measured on a
+trivial operator first): "host ms" is the rest of a round, the Python and numpy work, next to the
+torch time (with each operator's dispatch, a kernel launch on a GPU), the operator count and the
+plain wall time. With the full vocabulary on the CPU, freeing the [rows, vocab] tensors of the
+sampling path lands outside the operators and inflates "host ms" there; `--vocab 256` keeps the
+torch work small. `--top N` also prints cProfile's top N entries by own time.
 
     python -P scripts/profile_tree.py [--batches 16,64] [--shapes 5x8x32,6x8x64] [--rounds 10]
         [--vocab 49152] [--top 0]
@@ -94,7 +97,23 @@ class OpTimer(TorchFunctionMode):
         return out
 
 
-def profile(args, batch: int, shape: tuple[int, int, int], greedy: bool) -> None:
+def timer_overhead(calls: int = 5000) -> float:
+    """Seconds `OpTimer` adds to one operator call beyond the call itself (its Python wrapper)."""
+    x = torch.zeros(1)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            x.add(1)
+        return time.perf_counter() - start
+
+    plain = min(run() for _ in range(3))
+    with OpTimer():
+        timed = min(run() for _ in range(3))
+    return max(timed - plain, 0.0) / calls
+
+
+def profile(args, batch: int, shape: tuple[int, int, int], greedy: bool, overhead: float) -> None:
     depth, topk, nodes = shape
     rng = np.random.default_rng(0)
     reqs = make_requests(batch, greedy, rng)
@@ -116,6 +135,7 @@ def profile(args, batch: int, shape: tuple[int, int, int], greedy: bool) -> None
     with OpTimer() as ops:
         timed, host = rounds(ops)
     torch_calls = ops.calls / args.rounds
+    host -= torch_calls * overhead
     kind = "greedy" if greedy else "sampling"
     size = sum(t.num_nodes for t in trees if t is not None) / batch
     print(
@@ -146,14 +166,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
+    overhead = timer_overhead()
     print(
-        f"ms per draft round (vocab {args.vocab}, median of {args.rounds} rounds; host: torch operators left out)"
+        f"ms per draft round (vocab {args.vocab}, median of {args.rounds} rounds; host: torch operators "
+        f"left out, and the timer's {1e6 * overhead:.1f} us per operator)"
     )
     for batch in [int(b) for b in args.batches.split(",")]:
         for text in args.shapes.split(","):
             shape = tuple(int(x) for x in text.split("x"))
             for kind in args.kinds.split(","):
-                profile(args, batch, shape, kind == "greedy")
+                profile(args, batch, shape, kind == "greedy", overhead)
 
 
 if __name__ == "__main__":

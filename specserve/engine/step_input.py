@@ -331,22 +331,18 @@ def _forest_layout(
     first = np.repeat(np.cumsum(lens) - lens, lens)  # its request's first token in `parents`
     local = np.arange(len(parents)) - first  # its index among its request's tokens
     assert (parents < local).all(), "a parent after its child"
-    # (request, token, ancestor-or-self) triples, the token and its ancestor as local indices
-    pair_owner, rows, cols = [owner], [local], [local]
+    row = (owner * max_query_len + local) * max_query_len  # each token's row of the flat mask
+    entries = [row + local]  # (token, self), then (token, ancestor) per round
     depth = np.zeros(len(parents), dtype=np.int64)
     up = parents
     while (live := up >= 0).any():  # every token one ancestor further up per round
-        pair_owner.append(owner[live])
-        rows.append(local[live])
-        cols.append(up[live])
+        entries.append(row[live] + up[live])
         depth += live
         up = np.where(live, parents[first + np.maximum(up, 0)], -1)
     positions[query_start[owner] + local] = np.asarray(starts, dtype=np.int64)[owner] + depth
-    entries = (np.concatenate(pair_owner) * max_query_len + np.concatenate(rows)) * max_query_len
-    entries += np.concatenate(cols)
     flags = np.zeros(len(query_start) - 1, dtype=np.int64)
     flags[members] = 1
-    return [flags, np.sort(entries)]
+    return [flags, np.sort(np.concatenate(entries))]
 
 
 def tree_mask(

@@ -273,21 +273,21 @@ class TreeSearch:
         if not self.count.any():
             return [None] * len(self.reqs)
         kept, sizes = self._kept()
-        batch = np.arange(len(self.reqs))[:, None]
-        # Row of each node in its tree (1..), -1 where dropped.
-        row_of = np.full(self.token.shape, -1, dtype=np.int64)
+        # Flat [B * capacity] index of each kept node; row of each node in its tree (1..), -1: dropped.
+        flat = kept + (np.arange(len(self.reqs)) * self.token.shape[1])[:, None]
         live = np.arange(kept.shape[1]) < sizes[:, None]
-        row_of[np.nonzero(live)[0], kept[live]] = np.nonzero(live)[1] + 1
-        up = self.parent[batch, kept]
-        parents = np.maximum(np.where(up < 0, 0, row_of[batch, np.maximum(up, 0)]), 0)
-        cand_tokens, cand_rows = self._candidate_table(kept, live, row_of)
+        row_of = np.full(self.token.size, -1, dtype=np.int64)
+        row_of[flat[live]] = np.nonzero(live)[1] + 1
+        up = self.parent.ravel()[flat]
+        parents = np.maximum(np.where(up < 0, 0, row_of[flat - kept + np.maximum(up, 0)]), 0)
+        cand_tokens, cand_rows = self._candidate_table(flat, live, row_of)
         q = self._tree_q(kept, sizes)
-        tokens = self.token[batch, kept]
+        tokens = self.token.ravel()[flat].tolist()
         return [
             None
             if not self.count[b]
             else DraftTree(
-                tuple(tokens[b, :n].tolist()),
+                tuple(tokens[b][:n]),
                 parents[b, :n],
                 cand_tokens[b, : n + 1],
                 cand_rows[b, : n + 1],
@@ -307,19 +307,19 @@ class TreeSearch:
         return order, np.minimum(self.count, self.num_nodes)
 
     def _candidate_table(
-        self, kept: np.ndarray, live: np.ndarray, row_of: np.ndarray
+        self, flat: np.ndarray, live: np.ndarray, row_of: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """[B, num_nodes + 1, topk] each row's children (tokens, rows or -1) in test order."""
-        batch = np.arange(len(self.reqs))[:, None]
-        first = np.concatenate([np.zeros_like(batch), self.first_child[batch, kept]], axis=1)
-        children = np.where(live, self.num_children[batch, kept], 0)
+        """[B, num_nodes + 1, topk] each row's children (tokens, rows or -1) in test order, from the
+        kept nodes' flat indices; the root's children are ids 0.. of its request."""
+        base = (np.arange(len(self.reqs)) * self.token.shape[1])[:, None]
+        first = np.concatenate([base, base + self.first_child.ravel()[flat]], axis=1)
+        children = np.where(live, self.num_children.ravel()[flat], 0)
         count = np.concatenate([self.root_children[:, None], children], axis=1)
         slot = np.arange(self.topk)
-        child = np.minimum(first[..., None] + slot, self.token.shape[1] - 1)
         present = slot < count[..., None]
-        batch = batch[..., None]
-        cand_tokens = np.where(present, self.token[batch, child], -1)
-        cand_rows = np.where(present, row_of[batch, child], -1)
+        child = np.where(present, first[..., None] + slot, 0)
+        cand_tokens = np.where(present, self.token.ravel()[child], -1)
+        cand_rows = np.where(present, row_of[child], -1)
         return cand_tokens, cand_rows
 
     def _tree_q(self, kept: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor | None] | None:
