@@ -30,7 +30,7 @@ from specserve.model.loader import load_model
 from specserve.train import unroll as unroll_module
 from specserve.train.data import Samples, load_all
 from specserve.train.dataset import epoch_batches, make_batch
-from specserve.train.trainer import TrainConfig, new_head
+from specserve.train.trainer import TrainConfig, compile_head, new_head
 from specserve.train.unroll import unrolled_loss
 
 PHASES = ("target", "head forward", "backward", "optimizer")
@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps (after one warm-up step)")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast (always on for CUDA)")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--compile", action="store_true", help="torch.compile the step modules (--compile)")
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -112,6 +113,8 @@ def main() -> None:
     cfg = TrainConfig(method=args.method, steps=args.unroll, tokens_per_batch=args.tokens_per_batch, max_steps=1)
     head = new_head(loaded, cfg, device)
     head.train()
+    if args.compile:
+        compile_head(head)
     params = [q for q in head.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     indices = epoch_batches(samples, cfg.tokens_per_batch, cfg.max_len, 0, 0)
@@ -147,7 +150,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    step(batches[0])  # warm-up (allocator, kernels)
+    for batch in batches[:3] if args.compile else batches[:1]:  # warm-up (allocator; compiles)
+        step(batch)
     counter = OpCounter()
     with counter:
         step(batches[0])
