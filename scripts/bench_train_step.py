@@ -10,7 +10,8 @@ pass, the head's unrolled forward with its losses, backward, clipping + AdamW).
 The op count is the host's work: each aten op is a Python -> C++ dispatch (plus an autograd node
 when it records one), which is what bounds a step of a small head on a fast GPU. `--autocast`
 counts under bf16 autocast as on CUDA (the casts it adds are ops too). `--top N` lists the N most
-frequent ops. On a shared CPU, OMP_NUM_THREADS=1 keeps OpenMP threads from spinning against other
+frequent ops. Under `--compile` the count is not meaningful (a dispatch mode sends compiled code
+back to eager); the time is. On a shared CPU, OMP_NUM_THREADS=1 keeps OpenMP threads from spinning against other
 processes (which made tiny ops take milliseconds).
 """
 
@@ -34,6 +35,9 @@ from specserve.train.trainer import TrainConfig, compile_head, new_head
 from specserve.train.unroll import unrolled_loss
 
 PHASES = ("target", "head forward", "backward", "optimizer")
+# aten ops that copy a device value to the host (a tensor's item, a data-dependent shape), so the
+# host waits for every queued kernel: the GPU then idles while the host catches up.
+SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "item")
 
 
 class OpCounter(TorchDispatchMode):
@@ -178,6 +182,10 @@ def main() -> None:
         + ", ".join(f"{p} {sum(counted.counts[p].values())}" for p in PHASES)
         + ")"
     )
+    # (AdamW's own item() calls read its step counts, which live on the CPU: left out.)
+    forward_backward = sum((counted.counts[p] for p in PHASES[:3]), collections.Counter())
+    syncing = {n: forward_backward[n] for n in SYNCING if forward_backward[n]}
+    print(f"ops that wait for the device on CUDA (forward + backward): {sum(syncing.values())} {syncing}")
     for phase in ("head forward", "backward"):
         print(f"  {phase}: " + ", ".join(f"{n} {c}" for n, c in counted.counts[phase].most_common(args.top)))
     print(
