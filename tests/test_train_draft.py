@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from head_reference import reference_step_logits
 
 from specserve import LLM, SamplingParams, default_drafter
@@ -25,7 +26,8 @@ from specserve.train.data import GenerationSettings, generate_responses, load_sa
 from specserve.train.dataset import Batch, epoch_batches, make_batch
 from specserve.train.evaluate import measure_acceptance
 from specserve.train.trainer import TrainConfig, new_head, train_head
-from specserve.train.unroll import target_pass, unroll
+from specserve.train.attention import CausalContext, UnrollContext
+from specserve.train.unroll import target_pass, unroll, unrolled_loss
 
 VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
 CPU = torch.device("cpu")
@@ -91,6 +93,125 @@ def test_unrolled_training_forward_is_what_the_drafter_computes(target, tmp_path
                 torch.testing.assert_close(got, logits, atol=2e-5, rtol=1e-4)
                 checked += 1
     assert checked == 2 * 3 * steps
+
+
+def dense_chain_attention(
+    q: torch.Tensor, base: tuple[torch.Tensor, torch.Tensor], diagonal: list, batch: int
+) -> torch.Tensor:
+    """The chain step's attention as first written (the reference of UnrollContext's fused one):
+    [B, H, S, S] fp32 scores over the base keys, masked causally, beside the query's own r diagonal
+    scores, one softmax over both. Rows [B * S, heads, D] in and out."""
+    heads = q.shape[1]
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B * S, KvH, D] -> [B, H, S, D]
+        x = x.repeat_interleave(heads // x.shape[1], dim=1)
+        return x.view(batch, -1, heads, x.shape[-1]).transpose(1, 2)
+
+    q4 = blocks(q)
+    base_k, base_v = blocks(base[0]), blocks(base[1])
+    diag_k = torch.stack([blocks(k) for k, _ in diagonal], dim=-2)  # [B, H, S, r, D]
+    diag_v = torch.stack([blocks(v) for _, v in diagonal], dim=-2)
+    scale = q4.shape[-1] ** -0.5
+    seq = q4.shape[2]
+    base_scores = (q4 @ base_k.transpose(-1, -2)).float() * scale
+    later = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    base_scores = base_scores.masked_fill(later, float("-inf"))
+    diag_scores = (q4.unsqueeze(-2) * diag_k).sum(-1).float() * scale  # [B, H, S, r]
+    probs = torch.cat([base_scores, diag_scores], dim=-1).softmax(dim=-1)
+    out = probs[..., :seq].to(base_v.dtype) @ base_v
+    out = out + (probs[..., seq:, None].to(diag_v.dtype) * diag_v).sum(-2)
+    return out.transpose(1, 2).reshape(q.shape).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+def test_fused_chain_attention_equals_the_dense_one(dtype, tol):
+    """UnrollContext's chain steps (one causal SDPA call with the diagonal folded into a sink key)
+    give the dense softmax's outputs and gradients, GQA included, at every chain depth."""
+    gen = torch.Generator().manual_seed(0)
+    batch, seq, heads, kv_heads, dim, depth = 2, 9, 6, 2, 16, 4
+
+    def rand(*shape):
+        return (2 * torch.randn(*shape, generator=gen)).to(dtype).requires_grad_()
+
+    qs = [rand(batch * seq, heads, dim) for _ in range(depth + 1)]
+    ks = [rand(batch * seq, kv_heads, dim) for _ in range(depth + 1)]
+    vs = [rand(batch * seq, kv_heads, dim) for _ in range(depth + 1)]
+    ctx = UnrollContext(batch, seq)
+    ctx.causal()
+    ctx.attend(0, qs[0], ks[0], vs[0])
+    ctx.chain()
+    fused = [ctx.attend(0, qs[r], ks[r], vs[r]) for r in range(1, depth + 1)]
+    dense = [
+        dense_chain_attention(qs[r], (ks[0], vs[0]), list(zip(ks[1 : r + 1], vs[1 : r + 1])), batch)
+        for r in range(1, depth + 1)
+    ]
+    weights = [torch.randn(o.shape, generator=gen) for o in fused]
+    inputs = qs[1:] + ks + vs
+    grads = []
+    for outs in (fused, dense):
+        assert all(o.dtype == dtype for o in outs)
+        total = sum((o.float() * w).sum() for o, w in zip(outs, weights, strict=True))
+        grads.append(torch.autograd.grad(total, inputs))
+    for got, want in zip(fused, dense, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol * 2, rtol=tol)
+
+
+def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=None):
+    """The batch's loss written plainly: the target's log-probabilities at every position, each
+    step's KL from log_softmax of its logits at the positions whose label exists (and, with a reduced
+    vocabulary, whose target argmax is a draft token), averaged; autograd does the rest."""
+    bsz, seq = batch.ids.shape
+    positions = torch.arange(seq)
+    is_label = (positions >= batch.prompt_lens[:, None] - 1) & (positions <= batch.lengths[:, None] - 2)
+    with torch.no_grad():
+        ctx = CausalContext(bsz, seq)
+        hidden, aux = target.forward_features(
+            batch.ids.flatten(), positions.repeat(bsz), ctx, head.spec.aux_layers
+        )
+        logits = target.compute_logits(hidden).view(bsz, seq, -1)
+        if t2d is not None:
+            is_label &= t2d[logits.argmax(-1)]
+            logits = logits[..., head.draft_to_target]
+        logp = logits.log_softmax(-1)
+        features = (hidden if aux is None else aux).view(bsz, seq, -1)
+    total, losses, agreement = 0.0, [], []
+    for s, offset, out in unroll(head, batch.ids, features.clone(), steps):
+        mask = is_label[:, offset:]  # the row at p is about the target's distribution at p + offset
+        logq = head.output_head(head.module_for_step(s))(out[:, : seq - offset]).float().log_softmax(-1)
+        label = logp[:, offset:]
+        kl = (label.exp() * (label - logq)).sum(-1)[mask].mean()
+        total = total + decay**s * kl
+        losses.append(float(kl.detach()))
+        agreement.append(float((logq.argmax(-1) == label.argmax(-1))[mask].float().mean()))
+    return total, losses, agreement
+
+
+@pytest.mark.parametrize("method, shape", [("eagle3", {"draft_vocab": 48}), ("mtp", {"num_modules": 2})])
+def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape):
+    """unrolled_loss (host-planned rows, the KL and its gradient in one pass over the logits) equals
+    the plain autograd statement of the loss, in value, per-step figures and gradients."""
+    cfg = TrainConfig(method=method, steps=4, max_steps=1, **shape)
+    head = new_head(target, cfg, CPU)
+    t2d = None
+    if method == "eagle3":
+        head.draft_to_target = torch.arange(0, 96, 2)
+        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d[head.draft_to_target] = True
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (3, 20), generator=gen)
+    # Short prompts: the last chain steps reach fewer answer positions than the first.
+    batch = Batch(ids, torch.tensor([20, 17, 12]), torch.tensor([2, 5, 3]))
+    params = [p for p in head.parameters() if p.requires_grad]
+    got = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d)
+    want, losses, agreement = reference_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d)
+    torch.testing.assert_close(got.loss, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.step_losses, tuple(losses), atol=1e-6, rtol=1e-5)
+    assert got.step_accuracy == pytest.approx(agreement, abs=1e-6)
+    assert got.positions[0] > got.positions[-1] > 0
+    for a, b in zip(torch.autograd.grad(got.loss, params), torch.autograd.grad(want, params), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_training_lowers_the_loss_and_beats_an_untrained_head(target, data, tmp_path):

@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--loss-decay", type=float, default=0.8, help="step s's loss weighs DECAY**s")
     train.add_argument("--lr", type=float, default=3e-4)
     train.add_argument("--warmup-steps", type=int, default=50)
-    train.add_argument("--tokens-per-batch", type=int, default=16384, help="padded tokens per batch")
+    train.add_argument("--tokens-per-batch", type=int, default=32768, help="padded tokens per batch")
     train.add_argument("--max-len", type=int, default=2048, help="tokens kept of each sample")
     train.add_argument("--num-modules", type=int, default=2, help="mtp: layers in the chain")
     train.add_argument("--layers", type=int, default=1, help="eagle: decoder layers of the head")
@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--checkpoint-every", type=int, default=200, help="snapshot every N steps")
     train.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     train.add_argument("--no-resume", action="store_true", help="start afresh even if OUT holds a snapshot")
+    train.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the head's step modules (fewer host ops per step; compiles in the first batches)",
+    )
 
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-data", default="mt-bench", help="prompts to measure acceptance on")
@@ -223,6 +228,7 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         checkpoint_every=args.checkpoint_every,
         save_dtype=args.save_dtype,
         seed=args.seed,
+        compile=args.compile,
     )
     samples = load_all(_responses_paths(args, out))
     train_head(loaded, samples, cfg, out, resume=not args.no_resume, progress_bar=not args.no_progress)

@@ -21,6 +21,7 @@ _WINDOW = 64  # samples sorted by length together
 @dataclass(frozen=True)
 class Batch:
     ids: torch.Tensor  # [B, S] int64, padded with 0 after each sample's end
+    # On the CPU whatever the device: the host plans which rows are scored without a device sync.
     lengths: torch.Tensor  # [B] int64
     prompt_lens: torch.Tensor  # [B] int64
 
@@ -58,8 +59,8 @@ def make_batch(samples: Samples, indices: np.ndarray, max_len: int, device: torc
         ids[row, :n] = samples.sample(int(i))[:n]
     return Batch(
         torch.from_numpy(ids).to(device),
-        torch.from_numpy(lengths.astype(np.int64)).to(device),
-        torch.from_numpy(np.minimum(samples.prompt_lens[indices], lengths).astype(np.int64)).to(device),
+        torch.from_numpy(lengths.astype(np.int64)),
+        torch.from_numpy(np.minimum(samples.prompt_lens[indices], lengths).astype(np.int64)),
     )
 
 

@@ -16,18 +16,25 @@ Inputs are the data's own tokens (the target's answers), hidden states the head'
 step trains on what it will see when serving. Each step's loss is the KL divergence of the head's
 distribution from the target's (restricted to, and renormalised over, a reduced draft vocabulary,
 where positions whose target argmax falls outside it are skipped), averaged over answer positions;
-the total weighs step s by decay**s. The lm_head + loss of each step is recomputed in the backward
-pass rather than keeping [tokens, vocabulary] logits of every step alive.
+the total weighs step s by decay**s.
+
+Host cost matters as much as the GPU's here (a small head on a fast GPU waits on Python and op
+dispatch), so a step never waits on the device: which rows each step scores is worked out on the
+host from the batch's lengths, every step scores the same label rows (those a step cannot reach
+weigh 0), and the per-step figures stay on the device until the caller reads them. Each step's
+[rows, vocabulary] logits live only inside `_DistillLoss`, which returns the loss together with its
+gradient, so nothing of that size is kept for (or recomputed in) the backward pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from specserve.model.draft_heads import DraftHead
 from specserve.model.llama import LlamaForCausalLM
@@ -38,17 +45,46 @@ from specserve.train.dataset import Batch
 @dataclass(frozen=True)
 class TargetPass:
     features: torch.Tensor  # [B, S, F] what the head's module 0 reads
-    label_logp: torch.Tensor  # [N, V_draft] fp32 target log-probabilities at the label rows
-    label_index: torch.Tensor  # [B * S] row of `label_logp` for each position, -1 where none
+    label_rows: torch.Tensor  # [N] flattened batch row b * S + q of each label position q
+    label_positions: torch.Tensor  # [N] q, its position in the sample
+    label_probs: torch.Tensor  # [N, V_draft] fp32 target probabilities p at the label rows
+    label_negentropy: torch.Tensor  # [N] fp32 sum p log p: KL(p || q) = this - sum p log q
+    label_argmax: torch.Tensor  # [N] the target's choice (a draft-vocabulary id)
     label_keep: torch.Tensor | None  # [N] bool: the target's argmax is in the draft vocabulary
 
 
 @dataclass(frozen=True)
 class StepResult:
     loss: torch.Tensor  # the weighted total, for backward
-    step_losses: tuple[float, ...]
-    step_accuracy: tuple[float, ...]  # head argmax == target argmax, per step
-    positions: tuple[int, ...]  # scored positions per step
+    stats: torch.Tensor  # [steps, 3] per step: KL, top-1 agreement with the target, rows scored
+
+    @cached_property
+    def _host(self) -> list[list[float]]:
+        return self.stats.tolist()  # the one device sync of the figures, when first asked for
+
+    @property
+    def step_losses(self) -> tuple[float, ...]:
+        return tuple(row[0] for row in self._host)
+
+    @property
+    def step_accuracy(self) -> tuple[float, ...]:  # head argmax == target argmax, per step
+        return tuple(row[1] for row in self._host)
+
+    @property
+    def positions(self) -> tuple[int, ...]:  # scored positions per step
+        return tuple(int(row[2]) for row in self._host)
+
+
+def label_positions(lengths: np.ndarray, prompt_lens: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flattened row b * seq + q, position q) of every label position, on the host: the q with
+    prompt_len - 1 <= q <= length - 2 (each predicts an answer token that exists) and q < seq."""
+    lengths = np.minimum(lengths, seq)
+    start = np.maximum(prompt_lens - 1, 0)
+    counts = np.maximum(lengths - 1 - start, 0)
+    sample = np.repeat(np.arange(len(lengths)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    positions = start[sample] + np.arange(int(counts.sum())) - first
+    return sample * seq + positions, positions
 
 
 @torch.no_grad()
@@ -59,28 +95,44 @@ def target_pass(
     draft_to_target: torch.Tensor | None = None,
     t2d: torch.Tensor | None = None,
 ) -> TargetPass:
-    """The target's features at every position and its log-probabilities where they are labels:
-    positions q with prompt_len - 1 <= q <= length - 2 (each predicts an answer token that exists).
-    With a reduced draft vocabulary (`draft_to_target`, `t2d`) the log-probabilities are renormalised
-    over it, and `label_keep` marks the rows whose argmax it contains. Done once per batch: every
-    chain step scores a shifted subset of these rows (twice, with the loss recomputed backwards)."""
+    """The target's features at every position and its distribution where they are labels. With a
+    reduced draft vocabulary (`draft_to_target`, `t2d`) the distribution is renormalised over it, and
+    `label_keep` marks the rows whose argmax it contains. Done once per batch: every chain step
+    scores a shifted subset of these rows."""
     bsz, seq = batch.ids.shape
-    positions = torch.arange(seq, device=batch.ids.device)
+    device = batch.ids.device
+    rows, positions = label_positions(batch.lengths.cpu().numpy(), batch.prompt_lens.cpu().numpy(), seq)
+    label_rows, label_positions_ = torch.from_numpy(np.stack([rows, positions])).to(device)  # one copy
     ctx = CausalContext(bsz, seq)
-    hidden, aux = target.forward_features(batch.ids.flatten(), positions.repeat(bsz), ctx, capture)
-    is_label = (positions >= batch.prompt_lens[:, None] - 1) & (positions <= batch.lengths[:, None] - 2)
-    rows = is_label.flatten().nonzero().squeeze(1)
-    index = torch.full((bsz * seq,), -1, dtype=torch.long, device=rows.device)
-    index[rows] = torch.arange(rows.shape[0], device=rows.device)
-    logits = target.compute_logits(hidden.index_select(0, rows))
+    positions_all = torch.arange(seq, device=device).repeat(bsz)
+    hidden, aux = target.forward_features(batch.ids.flatten(), positions_all, ctx, capture)
+    logits = target.compute_logits(hidden.index_select(0, label_rows))
     keep = None
     if draft_to_target is not None:
         keep = t2d[logits.argmax(-1)]
         logits = logits[:, draft_to_target]
     logp = logits.float().log_softmax(-1)
+    del logits
+    probs = logp.exp()
+    negentropy = (probs * logp).sum(-1)
+    argmax = logp.argmax(-1)
+    del logp
     features = (hidden if aux is None else aux).view(bsz, seq, -1)
     # Out of inference mode: autograd may save these (the head's first matmul reads the features).
-    return TargetPass(features.clone(), logp.clone(), index, None if keep is None else keep.clone())
+    return TargetPass(
+        features.clone(),
+        label_rows.clone(),
+        label_positions_.clone(),
+        probs.clone(),
+        negentropy.clone(),
+        argmax.clone(),
+        None if keep is None else keep.clone(),
+    )
+
+
+def step_offset(step: int, modules: int) -> int:
+    """The row at p of chain step `step` predicts the token after position p + offset."""
+    return 1 + max(step - (modules - 1), 0)
 
 
 def unroll(head: DraftHead, ids: torch.Tensor, features: torch.Tensor, steps: int) -> Iterator[tuple]:
@@ -93,16 +145,17 @@ def unroll(head: DraftHead, ids: torch.Tensor, features: torch.Tensor, steps: in
     last_position = head.rope.cos.shape[0] - 1
     out = None
     for s in range(max(steps, k)):
+        offset = step_offset(s, k)
         if s < k:
             ctx.causal()
-            offset, hidden = 1, features
+            hidden = features
             if s > 0:
                 hidden = F.pad(out, (0, 0, 1, 0))[:, :seq]  # module s-1's output one position back
         else:
             ctx.chain()
-            offset, hidden = 1 + s - (k - 1), out
+            hidden = out
         tokens = F.pad(ids[:, offset:], (0, offset))  # x[p + offset], 0 past the end
-        pos = (positions + offset - 1).clamp(max=last_position)
+        pos = (positions + (offset - 1)).clamp(max=last_position)
         out, to_logits = head.forward_step(
             head.module_for_step(s),
             tokens.flatten(),
@@ -125,44 +178,83 @@ def unrolled_loss(
 ) -> StepResult:
     """The weighted loss of one batch (`t2d`: [V] bool, the reduced draft vocabulary, if any)."""
     tp = target_pass(target, batch, head.spec.aux_layers, head.draft_to_target, t2d)
-    bsz, seq = batch.ids.shape
-    positions = torch.arange(seq, device=batch.ids.device).expand(bsz, seq).flatten()
-    flat_row = torch.arange(bsz * seq, device=batch.ids.device)
-    total, losses, accuracy, counts = 0.0, [], [], []
-    for s, offset, to_logits in unroll(head, batch.ids, tp.features, steps):
-        # a label row p + offset in the same sample (rows past a sample's end have index -1)
-        inside = positions + offset < seq
-        label = torch.where(inside, tp.label_index[(flat_row + offset).clamp(max=bsz * seq - 1)], -1)
-        rows = (label >= 0).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            continue
-        weight = head.output_head(head.module_for_step(s)).weight
-        label_rows = label.index_select(0, rows)
-        hidden = to_logits.flatten(0, 1).index_select(0, rows)
-        logp = tp.label_logp.index_select(0, label_rows)
-        if tp.label_keep is not None:  # score only where the target's choice is a draft token
-            keep = tp.label_keep.index_select(0, label_rows)
-            hidden, logp = hidden[keep], logp[keep]
-        loss, acc, used = checkpoint(_soft_cross_entropy, hidden, weight, logp, use_reentrant=False)
-        total = total + decay**s * loss
-        losses.append(float(loss.detach()))
-        accuracy.append(float(acc))
-        counts.append(int(used))
-    if not losses:
+    if tp.label_rows.numel() == 0:
         raise ValueError("batch: no answer position to score (every sample is prompt only)")
-    return StepResult(total, tuple(losses), tuple(accuracy), tuple(counts))
+    rows, weights = _step_rows(tp, max(steps, len(head.step_modules)), len(head.step_modules))
+    total, stats = None, []
+    for s, _, to_logits in unroll(head, batch.ids, tp.features, steps):
+        hidden = to_logits.flatten(0, 1).index_select(0, rows[s])
+        weight = head.output_head(head.module_for_step(s)).weight
+        loss, figures = distill_loss(hidden, weight, tp, weights[s], decay**s)
+        total = loss if total is None else total + loss
+        stats.append(figures)
+    return StepResult(total, torch.stack(stats))
 
 
-def _soft_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, logp: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean KL divergence of the head's distribution from the target's `logp`, top-1 agreement,
-    rows scored)."""
-    logq = F.linear(hidden, weight).float().log_softmax(-1)
-    rows = logp.shape[0]
-    # KL(target || head): the cross-entropy's gradient, with the target's entropy taken off so the
-    # figure falls towards 0 as the head matches the target.
-    loss = (logp.exp() * (logp - logq)).sum(-1).mean() if rows else logq.sum() * 0.0
-    with torch.no_grad():
-        agree = (logq.argmax(-1) == logp.argmax(-1)).float().mean() if rows else logq.new_zeros(())
-    return loss, agree, torch.tensor(rows)
+def _step_rows(tp: TargetPass, steps: int, modules: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every step at once (all on the device, no sync): the head row that predicts each label
+    row (`rows` [steps, N]) and the label row's weight in that step's mean (`weights` [steps, N]):
+    1 / count where the step reaches the label (q - offset >= 0, the same sample) and, with a
+    reduced vocabulary, the target's choice is a draft token; 0 elsewhere (the row then scores a
+    stand-in, row 0)."""
+    # step_offset of every step, made on the device (a host-to-device copy would wait for the target)
+    offsets = torch.arange(steps, device=tp.label_rows.device).sub_(modules - 1).clamp_(min=0).add_(1)[:, None]
+    rows = (tp.label_rows - offsets).clamp_(min=0)
+    used = tp.label_positions >= offsets
+    if tp.label_keep is not None:
+        used &= tp.label_keep
+    weights = used.float()
+    return rows, weights.div_(weights.sum(-1, keepdim=True).clamp_(min=1))
+
+
+def distill_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, tp: TargetPass, row_weights: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`scale` x the mean KL of the head's distribution F.linear(hidden, weight) from the target's
+    over the label rows, weighted by `row_weights`; its figures [KL, top-1 agreement, rows])."""
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _DistillLoss.apply(
+        hidden, weight, tp.label_probs, tp.label_negentropy, tp.label_argmax, row_weights, scale, grads
+    )
+
+
+class _DistillLoss(torch.autograd.Function):
+    """KL(target || head) = sum p log p - sum p log q, whose gradient with respect to the head's
+    logits is (q - p) per row: computed here in the forward pass, while the logits exist, and only
+    its [rows, hidden] (and lm_head) products kept for backward, which scales them by the incoming
+    gradient. The same loss and gradients as autograd through log_softmax, without keeping or
+    recomputing [rows, vocabulary] tensors, in a handful of passes over them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, probs, negentropy, argmax, row_weights, scale, grads):
+        logits = F.linear(hidden, weight)  # bf16 under autocast
+        logits_dtype = logits.dtype
+        logq = F.log_softmax(logits, -1, dtype=torch.float32)  # casts inside the kernel
+        del logits
+        kl = negentropy - (probs * logq).sum(-1)
+        mean = (kl * row_weights).sum()
+        agree = ((logq.argmax(-1) == argmax).float() * row_weights).sum()
+        figures = torch.stack([mean, agree, (row_weights > 0).sum().float()])
+        ctx.mark_non_differentiable(figures)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        grad_hidden = grad_weight = None
+        if grads:
+            # d(scale * mean) / d logits = scale * row_weight * (softmax - p), in place over logq.
+            grad_logits = logq.exp_().sub_(probs).mul_((row_weights * scale)[:, None]).to(logits_dtype)
+            del logq
+            if ctx.needs_input_grad[0]:
+                grad_hidden = grad_logits @ weight  # autocast casts as F.linear did
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad_logits.t() @ hidden
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return mean * scale, figures
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_figures):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * grad_loss).to(hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
