@@ -99,7 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also send the workload to a running server (native /generate) at this URL",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per engine and batch size (the lower median is reported: of two, the faster)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per engine and batch size (the lower median is reported: of two, the faster)",
     )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
     parser.add_argument("--plot", default=None, help="where to write the PNG (default: --out with .png)")

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from head_reference import reference_step_logits
 
 from specserve import LLM, SamplingParams, default_drafter
@@ -21,12 +20,12 @@ from specserve.config import SpeculativeConfig
 from specserve.model.head_checkpoint import load_head, random_head, save_head
 from specserve.model.loader import load_model
 from specserve.serve.config import ServeConfig
+from specserve.train.attention import CausalContext, UnrollContext
 from specserve.train.checkpoint import export_head
 from specserve.train.data import GenerationSettings, generate_responses, load_samples
 from specserve.train.dataset import Batch, epoch_batches, make_batch
 from specserve.train.evaluate import measure_acceptance
 from specserve.train.trainer import TrainConfig, new_head, train_head
-from specserve.train.attention import CausalContext, UnrollContext
 from specserve.train.unroll import target_pass, unroll, unrolled_loss
 
 VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
@@ -142,7 +141,9 @@ def test_fused_chain_attention_equals_the_dense_one(dtype, tol):
     ctx.chain()
     fused = [ctx.attend(0, qs[r], ks[r], vs[r]) for r in range(1, depth + 1)]
     dense = [
-        dense_chain_attention(qs[r], (ks[0], vs[0]), list(zip(ks[1 : r + 1], vs[1 : r + 1])), batch)
+        dense_chain_attention(
+            qs[r], (ks[0], vs[0]), list(zip(ks[1 : r + 1], vs[1 : r + 1], strict=True)), batch
+        )
         for r in range(1, depth + 1)
     ]
     weights = [torch.randn(o.shape, generator=gen) for o in fused]

@@ -13,7 +13,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from specserve.attention.backend import AttentionBackend, AttentionBatch, AttentionContext
 from specserve.engine.kv_cache import KVCache
 
-
 # Never cuDNN: it builds a plan for every new shape, and these shapes change every step (the context
 # length grows). On the H100 an EAGLE-3 tree draft over new lengths took 320 ms a step with it, the
 # same steps again (plans cached) 20 ms.

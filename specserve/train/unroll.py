@@ -198,7 +198,9 @@ def _step_rows(tp: TargetPass, steps: int, modules: int) -> tuple[torch.Tensor, 
     reduced vocabulary, the target's choice is a draft token; 0 elsewhere (the row then scores a
     stand-in, row 0)."""
     # step_offset of every step, made on the device (a host-to-device copy would wait for the target)
-    offsets = torch.arange(steps, device=tp.label_rows.device).sub_(modules - 1).clamp_(min=0).add_(1)[:, None]
+    offsets = (
+        torch.arange(steps, device=tp.label_rows.device).sub_(modules - 1).clamp_(min=0).add_(1)[:, None]
+    )
     rows = (tp.label_rows - offsets).clamp_(min=0)
     used = tp.label_positions >= offsets
     if tp.label_keep is not None:
