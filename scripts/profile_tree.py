@@ -12,9 +12,9 @@ the host works; operators written as `a / b` included) is timed on its own throu
 `TorchFunctionMode` and left out, and so is what that timer itself adds per operator (measured on a
 trivial operator first): "host ms" is the rest of a round, the Python and numpy work, next to the
 torch time (with each operator's dispatch, a kernel launch on a GPU), the operator count and the
-plain wall time. With the full vocabulary on the CPU, freeing the [rows, vocab] tensors of the
-sampling path lands outside the operators and inflates "host ms" there; `--vocab 256` keeps the
-torch work small. `--top N` also prints cProfile's top N entries by own time.
+plain wall time. With the full vocabulary on the CPU, freeing the [rows, vocab] temporaries
+(log-softmax, q, the noise: about 6 ms per 100 MB here; a GPU's caching allocator frees them for
+nothing) lands outside the operators and inflates "host ms"; `--vocab 256` keeps them small. `--top N` also prints cProfile's top N entries by own time.
 
     python -P scripts/profile_tree.py [--batches 16,64] [--shapes 5x8x32,6x8x64] [--rounds 10]
         [--vocab 49152] [--top 0]
