@@ -114,7 +114,9 @@ def main() -> None:
         samples = load_all([args.responses])
     else:
         samples = random_samples(256, loaded.arch.vocab_size)
-    cfg = TrainConfig(method=args.method, steps=args.unroll, tokens_per_batch=args.tokens_per_batch, max_steps=1)
+    cfg = TrainConfig(
+        method=args.method, steps=args.unroll, tokens_per_batch=args.tokens_per_batch, max_steps=1
+    )
     head = new_head(loaded, cfg, device)
     head.train()
     if args.compile:

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from head_reference import reference_step_logits
 
 from specserve import LLM, SamplingParams, default_drafter
@@ -21,12 +20,12 @@ from specserve.config import SpeculativeConfig
 from specserve.model.head_checkpoint import load_head, random_head, save_head
 from specserve.model.loader import load_model
 from specserve.serve.config import ServeConfig
+from specserve.train.attention import CausalContext, UnrollContext
 from specserve.train.checkpoint import export_head
 from specserve.train.data import GenerationSettings, generate_responses, load_samples
 from specserve.train.dataset import Batch, epoch_batches, make_batch
 from specserve.train.evaluate import measure_acceptance
-from specserve.train.trainer import TrainConfig, new_head, train_head
-from specserve.train.attention import CausalContext, UnrollContext
+from specserve.train.trainer import TrainConfig, compile_head, new_head, train_head
 from specserve.train.unroll import target_pass, unroll, unrolled_loss
 
 VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
@@ -142,7 +141,9 @@ def test_fused_chain_attention_equals_the_dense_one(dtype, tol):
     ctx.chain()
     fused = [ctx.attend(0, qs[r], ks[r], vs[r]) for r in range(1, depth + 1)]
     dense = [
-        dense_chain_attention(qs[r], (ks[0], vs[0]), list(zip(ks[1 : r + 1], vs[1 : r + 1])), batch)
+        dense_chain_attention(
+            qs[r], (ks[0], vs[0]), list(zip(ks[1 : r + 1], vs[1 : r + 1], strict=True)), batch
+        )
         for r in range(1, depth + 1)
     ]
     weights = [torch.randn(o.shape, generator=gen) for o in fused]
@@ -212,6 +213,30 @@ def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape):
     assert got.positions[0] > got.positions[-1] > 0
     for a, b in zip(torch.autograd.grad(got.loss, params), torch.autograd.grad(want, params), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_compiled_head_trains_as_the_eager_one(target, data):
+    """`--compile` (torch.compile of the step modules, attention left eager) computes the eager
+    loss and gradients, on batches of different shapes (dynamic shapes, no per-batch graphs)."""
+    _, samples = data
+    cfg = TrainConfig(method="eagle3", steps=3, max_steps=1, compile=True)
+    eager, compiled = new_head(target, cfg, CPU), new_head(target, cfg, CPU)
+    compile_head(compiled)
+    indices = epoch_batches(samples, 256, 64, seed=0, epoch=0)[:3]
+    batches = [make_batch(samples, i, 64, CPU) for i in indices]
+    assert len({tuple(b.ids.shape) for b in batches}) > 1
+    for batch in batches:
+        results = []
+        for head in (eager, compiled):
+            params = [p for p in head.parameters() if p.requires_grad]
+            result = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay)
+            results.append((result.loss, torch.autograd.grad(result.loss, params)))
+        (loss, grads), (compiled_loss, compiled_grads) = results
+        torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=1e-5)
+        for a, b in zip(compiled_grads, grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_training_lowers_the_loss_and_beats_an_untrained_head(target, data, tmp_path):
