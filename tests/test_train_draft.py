@@ -25,7 +25,7 @@ from specserve.train.checkpoint import export_head
 from specserve.train.data import GenerationSettings, generate_responses, load_samples
 from specserve.train.dataset import Batch, epoch_batches, make_batch
 from specserve.train.evaluate import measure_acceptance
-from specserve.train.trainer import TrainConfig, new_head, train_head
+from specserve.train.trainer import TrainConfig, compile_head, new_head, train_head
 from specserve.train.unroll import target_pass, unroll, unrolled_loss
 
 VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
@@ -213,6 +213,30 @@ def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape):
     assert got.positions[0] > got.positions[-1] > 0
     for a, b in zip(torch.autograd.grad(got.loss, params), torch.autograd.grad(want, params), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_compiled_head_trains_as_the_eager_one(target, data):
+    """`--compile` (torch.compile of the step modules, attention left eager) computes the eager
+    loss and gradients, on batches of different shapes (dynamic shapes, no per-batch graphs)."""
+    _, samples = data
+    cfg = TrainConfig(method="eagle3", steps=3, max_steps=1, compile=True)
+    eager, compiled = new_head(target, cfg, CPU), new_head(target, cfg, CPU)
+    compile_head(compiled)
+    indices = epoch_batches(samples, 256, 64, seed=0, epoch=0)[:3]
+    batches = [make_batch(samples, i, 64, CPU) for i in indices]
+    assert len({tuple(b.ids.shape) for b in batches}) > 1
+    for batch in batches:
+        results = []
+        for head in (eager, compiled):
+            params = [p for p in head.parameters() if p.requires_grad]
+            result = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay)
+            results.append((result.loss, torch.autograd.grad(result.loss, params)))
+        (loss, grads), (compiled_loss, compiled_grads) = results
+        torch.testing.assert_close(compiled_loss, loss, atol=1e-6, rtol=1e-5)
+        for a, b in zip(compiled_grads, grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
 
 
 def test_training_lowers_the_loss_and_beats_an_untrained_head(target, data, tmp_path):

@@ -122,9 +122,5 @@ class UnrollContext(CausalContext):
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """GQA: [T, KvH, D] -> [T, H, D], query head h reading KV head h // (H / KvH). One copy (expand,
-    then reshape), where repeat_interleave dispatches several ops to build and apply an index."""
-    rows, kv_heads, dim = x.shape
-    if kv_heads == heads:
-        return x
-    return x.unsqueeze(2).expand(rows, kv_heads, heads // kv_heads, dim).reshape(rows, heads, dim)
+    """GQA: [T, KvH, D] -> [T, H, D], query head h reading KV head h // (H / KvH)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)

@@ -111,23 +111,16 @@ def target_pass(
     if draft_to_target is not None:
         keep = t2d[logits.argmax(-1)]
         logits = logits[:, draft_to_target]
-    logp = logits.float().log_softmax(-1)
+    logp = logits.log_softmax(-1)  # fp32 (compute_logits)
     del logits
     probs = logp.exp()
     negentropy = (probs * logp).sum(-1)
     argmax = logp.argmax(-1)
     del logp
     features = (hidden if aux is None else aux).view(bsz, seq, -1)
-    # Out of inference mode: autograd may save these (the head's first matmul reads the features).
-    return TargetPass(
-        features.clone(),
-        label_rows.clone(),
-        label_positions_.clone(),
-        probs.clone(),
-        negentropy.clone(),
-        argmax.clone(),
-        None if keep is None else keep.clone(),
-    )
+    # features is an inference-mode tensor, which autograd may not save (the head's first matmul
+    # reads it): a copy. The label tensors were computed out of inference mode: no [N, V] copy.
+    return TargetPass(features.clone(), label_rows, label_positions_, probs, negentropy, argmax, keep)
 
 
 def step_offset(step: int, modules: int) -> int:
@@ -195,8 +188,8 @@ def _step_rows(tp: TargetPass, steps: int, modules: int) -> tuple[torch.Tensor, 
     """For every step at once (all on the device, no sync): the head row that predicts each label
     row (`rows` [steps, N]) and the label row's weight in that step's mean (`weights` [steps, N]):
     1 / count where the step reaches the label (q - offset >= 0, the same sample) and, with a
-    reduced vocabulary, the target's choice is a draft token; 0 elsewhere (the row then scores a
-    stand-in, row 0)."""
+    reduced vocabulary, the target's choice is a draft token; 0 elsewhere (where q < offset the
+    row index points before the sample, at a stand-in row whose zero weight removes it)."""
     # step_offset of every step, made on the device (a host-to-device copy would wait for the target)
     offsets = (
         torch.arange(steps, device=tp.label_rows.device).sub_(modules - 1).clamp_(min=0).add_(1)[:, None]
