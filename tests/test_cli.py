@@ -123,7 +123,8 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     assert rows[("hf-generate", 3)]["step_ms"] is None
     # adaptive speculation: the steps each tier ran (a request's first token comes from its prefill)
     tiers = rows[("specserve-ngram-3-adaptive", 1)]["tier_steps"]
-    assert set(tiers) <= {"off", "1", "2", "3"} and 1 <= sum(tiers.values()) <= 3
+    # at most one step per new token: an overlapped step may launch before the last token lands
+    assert set(tiers) <= {"off", "1", "2", "3"} and 1 <= sum(tiers.values()) <= 4
     assert rows[("specserve-ngram-3", 1)]["tier_steps"] is None
     printed = capsys.readouterr().out
     assert "ms/step (draft/target)" in printed
