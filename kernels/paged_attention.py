@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import NamedTuple, Protocol
 
 import torch
@@ -253,6 +254,10 @@ def tiles(max_query_len: int, group: int) -> Tiles:
     return Tiles(block_m, block_m // group, 64, 8 if block_m >= 128 else 4)
 
 
+# SPECSERVE_MAX_SPLITS caps the key slices (1: never split), so a GPU run can time the choice.
+MAX_SPLITS = int(os.environ.get("SPECSERVE_MAX_SPLITS", "32"))
+
+
 def num_splits(
     batch_size: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, group: int, device: torch.device
 ) -> int:
@@ -260,7 +265,7 @@ def num_splits(
     to cover them, each slice still >= 128 keys (at most 32 slices)."""
     programs = batch_size * triton.cdiv(max_query_len, tiles(max_query_len, group).tokens) * num_kv_heads
     want = triton.cdiv(_sm_count(device), programs)
-    return max(1, min(want, triton.cdiv(max_seq_len, 128), 32))
+    return max(1, min(want, triton.cdiv(max_seq_len, 128), MAX_SPLITS))
 
 
 def paged_attention(

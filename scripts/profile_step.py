@@ -3,7 +3,8 @@ on, the host phases of a step (engine StepStats), the pure replay time of a grap
 floor), and a torch.profiler table of a few batch-1 steps.
 
 Environment: PROFILE_CONFIGS (default "00,10,11": CUDA graphs then overlap scheduling, each 0/1),
-PROFILE_TOKENS (new tokens, default 256), PROFILE_CPROFILE=1 (each timed run again under cProfile).
+PROFILE_TOKENS (new tokens, default 256), PROFILE_CPROFILE=1 (each timed run again under cProfile),
+PROFILE_BATCHES (default "1,64"), PROFILE_TABLE=0 (no torch.profiler table).
 """
 
 import cProfile
@@ -21,6 +22,7 @@ from specserve.engine.stats import PhaseTotals
 from specserve.model.loader import load_model
 
 TOKENS = int(os.environ.get("PROFILE_TOKENS", "256"))
+BATCHES = [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,64").split(",")]
 
 
 def timed(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict[str, float]]:
@@ -65,7 +67,7 @@ for graphs, overlap in os.environ.get("PROFILE_CONFIGS", "00,10,11").split(","):
     )
     prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions[:64]]
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
-    for bs in (1, 64):
+    for bs in BATCHES:
         timed(llm, prompts[:bs])  # warm-up over the same lengths: kernels compiled, graphs captured
         seconds, phases = timed(llm, prompts[:bs])
         rows.append((graphs, overlap, bs, seconds, phases))
@@ -82,7 +84,10 @@ for graphs, overlap, bs, seconds, phases in rows:
     print(f"{graphs:>7}{overlap:>8}{bs:>7}{bs * TOKENS / seconds:>10.0f}  {shown}")
 if graphed_llm is not None:
     for bucket in ((1, 1), (8, 1), (64, 1)):
+        if bucket not in graphed_llm.engine.runner.graphs.graphs:
+            continue
         print(f"graph replay {bucket}: {replay_us(graphed_llm, bucket):.1f} us (GPU floor of a step)")
+if graphed_llm is not None and os.environ.get("PROFILE_TABLE", "1") != "0":
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         graphed_llm.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))

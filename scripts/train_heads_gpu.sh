@@ -19,6 +19,9 @@
 #   6.4k answer tokens/s in all, where one engine alone decodes 20k tok/s at batch 64: processes
 #   time-slicing one GPU; WORKERS=1 GEN_BATCH=256 is the next thing to try.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
+#   KEEP_DATA=1: copy the answers (responses-W.npz, token ids only) to $OUT/data/, to carry to a later call.
+#   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) instead of
+#   generating; DATA_MINUTES then adds nothing.
 #   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
 set -uo pipefail
 START=$SECONDS
@@ -64,18 +67,25 @@ left() { echo $((LIMIT - (SECONDS - START))); }
 # GPU_TEST=1: first the trainer's CUDA test (bf16, autocast, fused attention; about 30 s).
 [ -n "${GPU_TEST:-}" ] && python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_train_draft.py
 
-echo "== data: $WORKERS workers, ${DATA_MINUTES} min"
 RESPONSES=()
-PIDS=()
-for ((w = 0; w < WORKERS; w++)); do
-  RESPONSES+=("$WORK/responses-$w.npz")
-  "${TRAIN[@]}" --phase data --data "$PROMPTS" --shard "$w/$WORKERS" --responses "$WORK/responses-$w.npz" \
-    --data-minutes "$DATA_MINUTES" --out "$WORK" ${DATA[@]+"${DATA[@]}"} &
-  PIDS+=($!)
-done
-wait "${PIDS[@]}"  # by id: a bare `wait` would also wait for the log's tee, which never ends
+if [ -n "${RESPONSES_IN:-}" ]; then
+  IFS=, read -ra given <<<"$RESPONSES_IN"
+  for f in "${given[@]}"; do cp "$f" "$WORK/responses-${#RESPONSES[@]}.npz" && RESPONSES+=("$WORK/responses-${#RESPONSES[@]}.npz"); done
+  echo "== data: ${#RESPONSES[@]} carried files"
+else
+  echo "== data: $WORKERS workers, ${DATA_MINUTES} min"
+  PIDS=()
+  for ((w = 0; w < WORKERS; w++)); do
+    RESPONSES+=("$WORK/responses-$w.npz")
+    "${TRAIN[@]}" --phase data --data "$PROMPTS" --shard "$w/$WORKERS" --responses "$WORK/responses-$w.npz" \
+      --data-minutes "$DATA_MINUTES" --out "$WORK" ${DATA[@]+"${DATA[@]}"} &
+    PIDS+=($!)
+  done
+  wait "${PIDS[@]}"  # by id: a bare `wait` would also wait for the log's tee, which never ends
+fi
 ALL=$(IFS=,; echo "${RESPONSES[*]}")
 echo "== data done at $((SECONDS - START))s"
+if [ -n "${KEEP_DATA:-}" ]; then mkdir -p "$OUT/data" && cp "${RESPONSES[@]}" "$OUT/data/"; fi
 
 for method in $METHODS; do
   case $method in

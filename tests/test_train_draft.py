@@ -48,7 +48,7 @@ def data(target, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "responses.npz"
     llm = LLM(target, device="cpu", dtype="float32", max_running_requests=128)
     prompts = _prompts(192, seed=0)
-    settings = GenerationSettings(max_new_tokens=40, in_flight=128)
+    settings = GenerationSettings(max_new_tokens=40, batch=128)
     first = generate_responses(llm, prompts, path, settings, max_samples=64, log=lambda _: None)
     assert len(first) == 64 and len(set(first.prompt_index.tolist())) == 64
     past = time.monotonic() - 1  # a deadline already gone: nothing more is answered, nothing is lost
@@ -61,6 +61,23 @@ def data(target, tmp_path_factory):
         prompt = prompts[int(again.prompt_index[i])]
         assert again.sample(i)[: len(prompt)].tolist() == prompt and again.prompt_lens[i] == len(prompt)
     return prompts, samples
+
+
+def test_new_requests_join_in_waves(target, tmp_path):
+    """Requests are handed to the engine a wave at a time (prefilling steps run without CUDA graphs,
+    so topping up one at a time would make most steps of a large batch eager); every prompt is
+    still answered once."""
+    llm = LLM(target, device="cpu", dtype="float32", max_running_requests=8)
+    engine, steps, joined = llm.engine, [0], []
+    add, step = engine.add_request, engine.step
+    engine.add_request = lambda *a, **k: (joined.append(steps[0]), add(*a, **k))[1]
+    engine.step = lambda: (steps.__setitem__(0, steps[0] + 1), step())[1]
+    prompts = [p[:4] for p in _prompts(21, seed=5)]
+    settings = GenerationSettings(max_new_tokens=6, batch=8, wave=3)
+    samples = generate_responses(llm, prompts, tmp_path / "r.npz", settings, log=lambda _: None)
+    assert sorted(samples.prompt_index.tolist()) == list(range(21))
+    waves = [joined.count(s) for s in sorted(set(joined))]
+    assert waves[0] == 8 and all(n >= 3 for n in waves[:-1]) and sum(waves) == 21
 
 
 @pytest.mark.parametrize(

@@ -173,7 +173,7 @@ def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         max_new_tokens=args.max_new_tokens,
         temperature=args.gen_temperature,
         max_prompt_tokens=args.max_prompt_tokens,
-        in_flight=2 * args.gen_batch,
+        batch=args.gen_batch,
     )
     worker, workers = _shard(args.shard)
     paths = _responses_paths(args, out)
