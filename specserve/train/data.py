@@ -185,7 +185,8 @@ def generate_responses(
             params = SamplingParams(
                 max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, seed=i
             )
-            in_flight[engine.add_request(list(prompts[i]), params)] = i
+            # Not streamed: a streamed request builds its whole output (ids, text) every step.
+            in_flight[engine.add_request(list(prompts[i]), params, stream=False)] = i
         if late:
             for request_id in in_flight:
                 engine.abort(request_id)
