@@ -34,7 +34,12 @@ class TorchAttentionContext(AttentionContext):
         keys = self.kv.k[layer][self.key_slots].transpose(1, 2)  # [B, KvH, S, D]
         values = self.kv.v[layer][self.key_slots].transpose(1, 2)
         queries = q[self.query_index].transpose(1, 2)  # [B, H, Q, D]
-        with sdpa_kernel(_SDPA_BACKENDS):
+        if q.is_cuda:
+            with sdpa_kernel(_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(
+                    queries, keys, values, attn_mask=self.mask, enable_gqa=True
+                )
+        else:  # the CPU has no cuDNN to avoid; entering the context costs every call
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])  # [B*Q, H, D]
         return out.index_select(0, self.output_rows)
