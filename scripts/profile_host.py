@@ -15,7 +15,13 @@ and read again by the argmax every step, which evicts the caches between the hos
 every one of them read 3-5x slower than on a GPU host, where that work runs on the device.
 `--logit-vocab 0` keeps the full vocabulary.
 
+With `--adaptive` the engine runs adaptive n-gram speculation (tiers off, 1, 2, 4, 8) over text no
+drafter predicts (every lookup finds nothing), so the policy stays off: the figures are the policy's
+host cost on the off path (deciding, bookkeeping, probes) beside plain decoding's; the phase
+`adaptive` is what its own calls cost, and the steps each tier ran are printed.
+
     python scripts/profile_host.py [--batch 64] [--steps 300] [--stop] [--server] [--cprofile 30]
+        [--adaptive]
 """
 
 from __future__ import annotations
@@ -110,6 +116,9 @@ def instrument(llm: LLM, timers: Timers) -> None:
     for name in ("_launch", "_settle_step", "_run_batch", "_end_step"):
         if hasattr(engine, name):
             timers.wrap(engine, name, name.strip("_"))
+    if engine.adaptive is not None:  # the policy's own calls (a probe's settle is `settle_step`'s)
+        for name in ("decide", "observe_step", "observe_verify", "drafting"):
+            timers.wrap(engine.adaptive, name, "adaptive")
 
 
 def run_steps(llm: LLM, steps: int) -> None:
@@ -161,6 +170,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=1, help="1: as the offline bench; serve: 16")
     parser.add_argument("--cprofile", type=int, default=0, help="top cProfile entries to print")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument(
+        "--adaptive", action="store_true", help="adaptive n-gram speculation that finds no match: off"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -172,12 +184,17 @@ def main() -> None:
         dtype="float32",
         attention_backend="torch",
         cuda_graphs=False,
-        overlap_schedule=not args.no_overlap,
+        overlap_schedule=False if args.no_overlap else (None if args.adaptive else True),
         page_size=args.page_size,
         max_running_requests=args.batch,
         max_total_tokens=args.batch * 1024,
         max_batched_tokens=8192,
+        speculative={"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}}
+        if args.adaptive
+        else None,
     )
+    if args.adaptive:  # text no drafter predicts: every probe verifies nothing
+        llm.engine.drafter.propose = lambda token_ids, max_tokens: []
     if args.logit_vocab:
         head = llm.engine.model.lm_head.weight[: args.logit_vocab]
         llm.engine.model.compute_logits = lambda hidden: torch.nn.functional.linear(hidden, head).float()
@@ -210,6 +227,11 @@ def main() -> None:
         wall = clock() - start
         timers.enabled = False
         runs.append(phase_seconds(wall, dict(timers.seconds)))
+        if llm.engine.adaptive is not None:
+            print(
+                "  steps per tier so far:",
+                {t.name: n for t, n in sorted(llm.engine.adaptive.tier_steps.items())},
+            )
         finish(llm, ids)
     # Each figure is its least over the runs (noise only ever adds).
     report(args, {k: min(run[k] for run in runs) for k in runs[0]})
@@ -229,17 +251,18 @@ def phase_seconds(wall: float, seconds: dict[str, float]) -> dict[str, float]:
     """Host seconds per phase of one timed run (device work taken out), and their total."""
     device = sum(v for k, v in seconds.items() if k.startswith("device:"))
     build = seconds.get("build_input", 0.0)
-    if "run_batch" in seconds:  # synchronous steps: postprocess is what is left of the batch
-        launch, settle = 0.0, seconds["run_batch"] - build - device
-    else:
-        launch, settle = seconds.get("launch", 0.0) - build - device, seconds.get("settle_step", 0.0)
+    # Synchronous steps (all of them with --no-overlap, an adaptive policy's probes): their
+    # postprocess is what is left of `run_batch`, counted with the launches.
+    launch = seconds.get("launch", 0.0) + seconds.get("run_batch", 0.0) - build - device
+    settle = seconds.get("settle_step", 0.0)
     phases = {
         "device (left out)": device,
         "schedule": seconds.get("schedule", 0.0),
         "build_input": build,
-        "launch (rest)": launch,
+        "launch (rest; sync steps)": launch,
         "settle/postprocess": settle,
         "end_step (stats)": seconds.get("end_step", 0.0),
+        "adaptive (policy calls)": seconds.get("adaptive", 0.0),
     }
     phases["other (step, caller loop)"] = wall - sum(phases.values())
     phases["HOST TOTAL"] = wall - device

@@ -50,6 +50,9 @@ class BenchRow:
     # host ms per engine step by phase (`step`: the whole step; `draft`, `target`, `postprocess`)
     step_ms: dict[str, float] | None = None
     tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
+    # adaptive speculation, after the run: the policy's predicted step ms per tier at this batch, the
+    # pooled per-position acceptance (and its evidence), probes, predicted vs measured goodput
+    adaptive: dict | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     }
     write_json(args.out, report)
     print(format_table(*_table(rows)))
+    for line in _adaptive_lines(rows):
+        print(line)
     plot = Path(args.plot) if args.plot else Path(args.out).with_suffix(".png")
     title = f"{Path(args.model).name} on {gpu or report['device']} ({report['dtype']}), {args.dataset}, "
     title += f"{args.max_new_tokens} new tokens"
@@ -250,9 +255,10 @@ def _row(
     accept: float | None = None,
     step_ms: dict[str, float] | None = None,
     tiers: dict[str, int] | None = None,
+    adaptive: dict | None = None,
 ) -> BenchRow:
     tokens_per_s = batch * new_tokens / seconds
-    return BenchRow(system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers)
+    return BenchRow(system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers, adaptive)
 
 
 def _sync(device: torch.device) -> None:
@@ -262,10 +268,10 @@ def _sync(device: torch.device) -> None:
 
 def _time_engine(
     llm, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float | None, dict[str, float], dict[str, int] | None]:
+) -> tuple[float, float | None, dict[str, float], dict[str, int] | None, dict | None]:
     """Seconds of one run, its accept length (None without speculation), host ms per step by phase,
-    and with adaptive speculation the steps each tier ran. The adaptive policy keeps what it learnt
-    from run to run, as a server would."""
+    and with adaptive speculation the steps each tier ran and the policy's diagnostics after the run.
+    The adaptive policy keeps what it learnt from run to run, as a server would."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     adaptive = llm.engine.adaptive
     before = dict(adaptive.tier_steps) if adaptive is not None else {}
@@ -284,9 +290,10 @@ def _time_engine(
     verify_steps = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
     accept = len(outs) * new_tokens / verify_steps if verify_steps else None
     if adaptive is None:
-        return seconds, accept, phases.ms_per_step(), None
+        return seconds, accept, phases.ms_per_step(), None, None
     tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}
-    return seconds, accept, phases.ms_per_step(), {name: n for name, n in tiers.items() if n}
+    used = {name: n for name, n in tiers.items() if n}
+    return seconds, accept, phases.ms_per_step(), used, adaptive.diagnostics()
 
 
 def _load_hf(llm):
@@ -359,6 +366,24 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
         for r in rows
     ]
     return header, body
+
+
+def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
+    """One line per adaptive run: the policy's step ms per tier, pooled acceptance per position,
+    probes (won), predicted vs measured goodput: why it chose what it did."""
+    lines = []
+    for r in rows:
+        d = r.adaptive
+        if not d:
+            continue
+        cost = " ".join(f"{name}:{ms:.2f}" for name, ms in d["step_ms"].items())
+        accept = " ".join(f"{a:.2f}" for a in next(iter(d["pooled_acceptance"].values()), []))
+        lines.append(
+            f"adaptive {r.system} b{r.batch_size}: now {d['current']}; ms/step {cost}; accept/pos {accept}; "
+            f"probes {d['probes_won']}/{d['probes']} won (every {d['probe_interval']}); "
+            f"goodput pred {d['predicted_goodput']:,.0f} meas {d['measured_goodput']:,.0f} tok/s"
+        )
+    return lines
 
 
 def _step_cell(step_ms: dict[str, float] | None) -> str:

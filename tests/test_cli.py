@@ -126,8 +126,14 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     # at most one step per new token: an overlapped step may launch before the last token lands
     assert set(tiers) <= {"off", "1", "2", "3"} and 1 <= sum(tiers.values()) <= 4
     assert rows[("specserve-ngram-3", 1)]["tier_steps"] is None
+    # ... and why: the policy's cost table, pooled acceptance per position, goodput predicted/measured
+    diag = rows[("specserve-ngram-3-adaptive", 3)]["adaptive"]
+    assert set(diag["step_ms"]) == {"off", "1", "2", "3"} and all(ms > 0 for ms in diag["step_ms"].values())
+    assert len(diag["pooled_acceptance"]["1"]) == 3 and diag["measured_goodput"] >= 0
+    assert rows[("specserve-ngram-3", 3)]["adaptive"] is None
     printed = capsys.readouterr().out
     assert "ms/step (draft/target)" in printed
+    assert "adaptive specserve-ngram-3-adaptive b3: now" in printed
     assert "tok/s" in printed and "specserve-ngram-3" in printed
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -26,7 +26,8 @@ def test_tracker_learns_per_position_and_per_request():
     t.observe("a", 1, drafted=4, accepted=1)  # position 1 accepted, 2 rejected, 3-4 untested
     pooled, own = t.pooled(1), t.rates("a", 1)
     assert pooled[0] == pytest.approx(0.75) and pooled[1] == pytest.approx(0.375)
-    assert pooled[2] == pooled[3] == pooled[1]  # untested: the rate of the position before
+    # untested: the configured prior, not position 2's low rate (acceptance may rise with depth)
+    assert pooled[2] == pooled[3] == 0.5
     assert own[0] > pooled[0] > 0.5 > pooled[1] > own[1]  # a's own evidence over the pool's
     assert own[2:] == pooled[2:]
     assert t.rates("b", 1) == pooled  # a new request starts from the pool
@@ -182,3 +183,112 @@ def test_scores_are_kept_until_the_batch_estimates_or_age_change():
     for _ in range(50):  # a verifies all its drafts now: that alone rescores
         acceptance.observe("a", 1, drafted=4, accepted=4)
     assert [policy.decide(["a"]).tier for _ in range(3)] == [OFF, OFF, Tier.chain(4)]
+
+
+# ---- issue 9: n-gram-like (bimodal) acceptance and H100-like costs ---------------------------------
+
+
+def _h100_costs(batches=(1, 4, 16, 64)) -> StepCosts:
+    """Issue 9's H100: a target pass launch-bound near 1.1 ms up to ~16 tokens, then by tokens; an
+    n-gram lookup ~0.2 ms of host time per request, one per draft whatever its depth."""
+    c = StepCosts()
+    passes = {1: 1.1, 2: 1.12, 3: 1.14, 5: 1.16, 9: 1.2}
+    shapes = [(b, q) for b in batches for q in (1, 2, 3, 5, 9)]
+    c.profile(VERIFY, shapes, lambda b, q: (passes[q] if b == 1 else max(1.1, 1.0 + 0.02 * b * q)) * MS)
+    c.profile(DRAFT, [(b, 1) for b in batches], lambda b, w: 0.2 * b * MS)
+    return c
+
+
+def _bimodal(policy: AdaptivePolicy, match: float, follow: float, batch: int, steps: int, rng) -> list[Tier]:
+    """`steps` decisions; each request's lookup matches with probability `match` (then each draft
+    survives with `follow`), else drafts nothing (position 1 rejected). Probes get their verdict."""
+    ids, tiers = [f"r{i}" for i in range(batch)], []
+    for _ in range(steps):
+        decision = policy.decide(ids)
+        tiers.append(decision.tier)
+        emitted = 0
+        for rid, n in decision.steps.items():
+            accepted = 0
+            if n and rng.random() < match:
+                while accepted < n and rng.random() < follow:
+                    accepted += 1
+            if n:
+                policy.acceptance.observe(rid, decision.tier.topk, n, accepted)
+            emitted += accepted + 1
+        if decision.tier != policy.current:
+            policy.observe_probe(emitted)
+    return tiers
+
+
+def _ngram_policy(costs: StepCosts, **kwargs) -> AdaptivePolicy:
+    return AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, **kwargs)
+
+
+def test_bimodal_acceptance_at_batch_1_picks_the_deep_chain():
+    """MT-Bench at batch 1: half the lookups match, and then drafts mostly survive. The 8-chain is
+    best by far; the policy must find it even after a stretch of misses took it off (probes go deep
+    under the upper confidence bound, untested positions are not condemned by position 1)."""
+    costs = _h100_costs()
+    rng = random.Random(0)
+    policy = _ngram_policy(costs)
+    assert _bimodal(policy, 0.55, 0.85, 1, 200, rng)[-1] == Tier.chain(8)
+    policy = _ngram_policy(costs)
+    _bimodal(policy, 0.0, 0.0, 1, 100, rng)  # nothing matches: off
+    assert policy.current == OFF
+    tiers = _bimodal(policy, 0.55, 0.85, 1, 400, rng)
+    probes = [t for t in tiers if t != OFF][:1]
+    assert probes == [Tier.chain(8)]  # the first probe is deep, not tier 1
+    assert policy.current == Tier.chain(8)
+
+
+def test_large_batch_with_low_acceptance_stays_off_and_probes_fade():
+    costs = _h100_costs()
+    policy = _ngram_policy(costs, probe_every=8)
+    tiers = _bimodal(policy, 0.1, 0.5, 64, 400, random.Random(1))
+    assert policy.current == OFF
+    assert tiers.count(OFF) >= 390  # at most a few probes: each lost and doubled the interval
+
+
+def test_probe_interval_backs_off_while_probes_lose_and_recovers_when_text_turns_predictable():
+    costs = _h100_costs()
+    policy = _ngram_policy(costs, probe_every=4, max_probe_every=64)
+    rng = random.Random(2)
+    _bimodal(policy, 0.0, 0.0, 4, 300, rng)
+    assert policy.current == OFF and policy.probe_interval == 64 and policy.probes_won == 0
+    assert policy.probes <= 10  # 4, 8, 16, 32, 64, 64, ... rather than 75 probes
+    _bimodal(policy, 0.9, 0.95, 4, 200, rng)  # the text became predictable
+    assert policy.probes_won >= 1 and policy.current == Tier.chain(8)
+
+
+def test_no_probe_when_no_tier_could_beat_decoding():
+    """Where even all-accepted drafts lose (drafting 64 requests costs several decode steps), a
+    probe would only cost: none runs."""
+    c = StepCosts()
+    c.profile(VERIFY, [(64, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 2.4 * MS * q)
+    c.profile(DRAFT, [(64, 1)], lambda b, w: 30 * MS)
+    policy = _ngram_policy(c, probe_every=2)
+    tiers = _bimodal(policy, 0.0, 0.0, 64, 50, random.Random(3))
+    assert set(tiers) == {OFF} and policy.probes == 0
+
+
+def test_live_host_work_lifts_the_profile_of_shapes_not_yet_run():
+    """A profile times device passes only; live verifies also pay host work. What one shape measured
+    beyond its profile is charged to the shapes never run live, so they do not look cheaper."""
+    c = StepCosts(alpha=1.0)
+    c.profile(VERIFY, [(4, q) for q in (1, 5, 9)], lambda b, q: 1.0 * MS)
+    c.observe(VERIFY, 4, 5, 1.5 * MS)
+    assert c.estimate(VERIFY, 4, 5) == pytest.approx(1.5 * MS)
+    assert c.estimate(VERIFY, 4, 9) == pytest.approx(1.5 * MS)  # profile + the residual
+    assert c.estimate(VERIFY, 8, 9) == pytest.approx(2.5 * MS)  # past the profile: scaled, + residual
+    assert StepCosts(alpha=0.0).measured() == {}
+    frozen = StepCosts(alpha=0.0)
+    frozen.observe(VERIFY, 4, 1, 1.0)
+    assert frozen.measured() == {}  # alpha 0 keeps the profile: nothing learnt
+
+
+def test_diagnostics_name_every_tier_and_position():
+    policy = _ngram_policy(_h100_costs())
+    _bimodal(policy, 0.55, 0.85, 1, 50, random.Random(4))
+    d = policy.diagnostics()
+    assert set(d["step_ms"]) == {"off", "1", "2", "4", "8"} and len(d["pooled_acceptance"][1]) == 8
+    assert d["step_ms"]["8"] == pytest.approx(1.4)  # 1.2 ms verify + one 0.2 ms lookup

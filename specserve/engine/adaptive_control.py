@@ -8,7 +8,13 @@ request's draft got against the budget it was given: a drafter proposing less th
 n-gram lookup without a match) counts as rejected there, since one token is all the step made of it.
 Each step's host times refine the cost tables: a step of decodes and verifies only (no prefill chunk)
 is a target pass of its batch and its widest request, less its draft phase, which is `num_steps`
-draft steps. The predicted and the measured goodput go to the step's stats for the metrics.
+draft steps (one, for an n-gram lookup, whose cost does not grow with depth), and less its `settle` phase: before a speculative step the engine settles the plain
+step still in flight (drafting needs its tokens), a wait for the device that belongs to that step.
+Charged to the draft phase (as it was), it made every probe's draft look a whole decode step dear,
+so probes and switches never paid. A plain step the engine overlapped is a `DECODE` step (its host
+work hidden), timed as a whole. A probe's emitted tokens (accepted drafts plus one per verified
+request) give the policy its verdict. The predicted and the measured goodput go to the step's stats
+for the metrics; `diagnostics` to benchmark reports.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings, StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
-from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 
 def settings_of(tier: Tier) -> SpecSettings:
@@ -48,21 +54,36 @@ class AdaptiveSpeculation:
             patience=config.patience,
             min_reach=config.min_reach,
             probe_every=config.probe_every,
+            draft_per_step=spec.method != "ngram",
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
         self.predicted_goodput = 0.0
         self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
         self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
         self.tier_steps: Counter[Tier] = Counter()  # steps run per tier (probes included)
+        self._probe = False  # this step runs a probe (a tier other than the policy's standing one)
+        self._emitted = 0  # tokens this step's verifies emitted
+        self._decoding = 0  # requests decoding this step (its items, unless a prefill rides along)
+
+    @property
+    def overlapped_off(self) -> bool:
+        """Whether the engine overlaps its plain steps (it says so once built)."""
+        return self.policy.overlapped_off
+
+    @overlapped_off.setter
+    def overlapped_off(self, value: bool) -> None:
+        self.policy.overlapped_off = value
 
     def decide(self, reqs: Sequence[Request]) -> SpecSettings:
         """This step's tier for the decoding requests `reqs`, as the engine's speculation settings."""
         self._budgets.clear()
         if not reqs:  # nothing decodes: keep the shape, nothing to decide
-            self._steps = {}
+            self._steps, self._probe, self._decoding = {}, False, 0
             return settings_of(self.tier)
         decision = self.policy.decide([r.request_id for r in reqs])
         self.tier, self._steps = decision.tier, decision.steps
+        self._probe, self._emitted = decision.tier != self.policy.current, 0
+        self._decoding = len(reqs)
         self.predicted_goodput = decision.predicted_goodput
         self.tier_steps[self.tier] += 1
         return settings_of(self.tier)
@@ -77,19 +98,31 @@ class AdaptiveSpeculation:
     def observe_verify(self, req: Request, accepted: int) -> None:
         budget = self._budgets.get(req.request_id, 0)
         if budget and not self.tier.off:
-            self.acceptance.observe(req.request_id, self.tier.topk, budget, min(accepted, budget))
+            kept = min(accepted, budget)
+            self.acceptance.observe(req.request_id, self.tier.topk, budget, kept)
+            self._emitted += kept + 1
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
-        seconds = stats.phases.get("step")
+        phases = stats.phases
+        seconds = phases.get("step")
         if not seconds:
             return
         self.policy.observe_step(stats.generation_tokens, seconds)
-        drafting = stats.phases.get("draft", 0.0)
-        if items and all(item.num_known == 1 and item.completes for item in items):
+        if self._probe:
+            self.policy.observe_probe(self._emitted)
+        if self.tier.off:
+            if len(items) != self._decoding:  # a prefill chunk rode along: not a decode step's cost
+                return
+            kind = DECODE if self.overlapped_off else VERIFY
+            self.costs.observe(kind, len(items), 1, seconds - phases.get("draft", 0.0))
+            return
+        drafting = phases.get("draft", 0.0)
+        if all(item.num_known == 1 and item.completes for item in items):
             width = max(item.num_tokens for item in items)
-            self.costs.observe(VERIFY, len(items), width, seconds - drafting)
-        if self._budgets and not self.tier.off and drafting > 0:
-            self.costs.observe(DRAFT, len(self._budgets), self.tier.topk, drafting / self.tier.num_steps)
+            self.costs.observe(VERIFY, len(items), width, seconds - drafting - phases.get("settle", 0.0))
+        if self._budgets and drafting > 0:
+            per = self.tier.num_steps if self.policy.draft_per_step else 1
+            self.costs.observe(DRAFT, len(self._budgets), self.tier.topk, drafting / per)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
@@ -98,6 +131,15 @@ class AdaptiveSpeculation:
     def settings(self) -> SpecSettings:
         """The policy's standing tier (not a probe's), for the metrics."""
         return settings_of(self.policy.current or self.tier)
+
+    def diagnostics(self) -> dict:
+        """For benchmark reports: the policy's cost table and pooled acceptance at the last batch,
+        the probe record, and the predicted beside the measured goodput (tokens/s)."""
+        return {
+            **self.policy.diagnostics(),
+            "predicted_goodput": round(self.predicted_goodput, 1),
+            "measured_goodput": round(self.policy.measured_goodput, 1),
+        }
 
     def fill(self, stats: StepStats) -> None:
         stats.predicted_goodput = self.predicted_goodput

@@ -5,8 +5,8 @@ real KV and takes nothing from the pool. A target pass of `batch` requests of `q
 goes through the same input builder and runner as a real verify (a CUDA-graph bucket replay where one
 fits, so every tier's bucket is timed); a draft step through the drafter's own `draft` or
 `draft_tree` (after a head's extend over one position), its time divided by the tier's steps as the
-engine charges a live step's draft phase. Host wall time around a device sync, the median of a few
-runs after a warm-up: on the CPU one run of two batch sizes, enough for the policy to start from.
+engine charges a live step's draft phase (not an n-gram lookup's, whose cost does not grow with
+depth). Host wall time around a device sync, the median of a few runs after a warm-up: on the CPU one run of two batch sizes, enough for the policy to start from.
 """
 
 from __future__ import annotations
@@ -104,7 +104,12 @@ def time_draft(engine: Engine, batch: int, tier: Tier, repeats: int) -> float:
         else:
             drafter.draft(reqs, [tier.num_steps] * batch)
 
-    return median_seconds(run, repeats, engine.device) / tier.num_steps
+    per = tier.num_steps if adaptive_draft_per_step(engine) else 1  # an n-gram lookup: once a draft
+    return median_seconds(run, repeats, engine.device) / per
+
+
+def adaptive_draft_per_step(engine: Engine) -> bool:
+    return engine.adaptive is None or engine.adaptive.policy.draft_per_step
 
 
 def dummy_requests(count: int, tokens: int, slots: int, page_size: int) -> list[Request]:

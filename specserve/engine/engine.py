@@ -114,6 +114,8 @@ class Engine:
             and config.overlap_schedule is not False
             and self.drafter.capture is None
         )
+        if self.adaptive is not None:
+            self.adaptive.overlapped_off = self._overlap_off
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}
@@ -479,7 +481,9 @@ class Engine:
         if self.spec_settings.num_steps == 0 or self._inflight is None:
             return []
         flight, self._inflight = self._inflight, None
-        return self._settle_step(flight)
+        outputs = self._settle_step(flight)
+        self._stats.lap("settle")  # a wait for the step before: not this step's draft or verify
+        return outputs
 
     def _propose_drafts(self) -> None:
         """Each decoding request gets up to num_steps draft tokens (or a tree that deep), never more

@@ -9,10 +9,21 @@ from chains, so every estimate is kept per topk.
 
 The expected tokens one verify of a k-step draft emits is then 1 + sum_{j<=k} prod_{i<=j} a_i: the
 bonus (or corrected) token always, and draft j when all drafts up to j survive.
+
+Acceptance may rise with depth: an n-gram lookup either finds a long match, whose tokens are then
+mostly right, or nothing (position 1 rejected). So a position never tested does not inherit a low
+rate from the one before it: its prior is at least the configured (optimistic) one. Otherwise a
+tier-1 stretch that sees many misses would make every deeper tier look hopeless without ever having
+tried one (what kept issue 9's batch-1 MT-Bench run off although 8-deep drafts doubled throughput).
+
+`pooled_upper` is an upper confidence bound per position (the pooled rate plus a bonus that shrinks
+with the evidence): the policy probes with the tier that is best under it, so a deep tier whose
+positions were barely tested gets tried rather than judged on its prior.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -24,7 +35,7 @@ class AcceptanceTracker:
 
     Each position's rate is (accepted + strength * prior) / (tested + strength) over faded counts:
     a request's prior is the pool's rate, the pool's prior at a position is its own rate at the
-    position before (acceptance rarely rises with depth). Evidence fades with every verify, tested
+    position before or the configured prior, whichever is higher (see the module docstring). Evidence fades with every verify, tested
     or not, so a position the current draft length never reaches drifts back to its prior rather
     than keeping one unlucky outcome forever — which would stop the policy from ever trying longer
     drafts again."""
@@ -59,11 +70,25 @@ class AcceptanceTracker:
     def pooled(self, topk: int) -> list[float]:
         """The pooled per-position rates at `topk`."""
         pool = self._pool(topk)
-        out, prior = [], self.prior
+        out, rate = [], self.prior
         for i in range(self.max_positions):
-            prior = pool.rate(i, prior, self.strength)
-            out.append(prior)
+            rate = pool.rate(i, max(rate, self.prior), self.strength)
+            out.append(rate)
         return out
+
+    def pooled_upper(self, topk: int, z: float = 1.0) -> list[float]:
+        """An upper confidence bound on each pooled rate: the rate plus z * 0.5 / sqrt(evidence),
+        evidence being the position's faded test count plus the prior's strength (0.5: the largest
+        standard deviation of one outcome)."""
+        pool = self._pool(topk)
+        return [
+            min(1.0, rate + z * 0.5 / math.sqrt(pool.tested[i] + self.strength))
+            for i, rate in enumerate(self.pooled(topk))
+        ]
+
+    def pooled_tested(self, topk: int) -> list[float]:
+        """The pool's faded test count per position (how much evidence each pooled rate rests on)."""
+        return list(self._pool(topk).tested)
 
     def rates(self, request_id: str, topk: int) -> list[float]:
         """Per-position conditional acceptance for `request_id`: its own evidence over the pool's rates."""
@@ -124,6 +149,16 @@ def expected_tokens(rates: Sequence[float], steps: int) -> float:
         survive *= rate
         total += survive
     return total
+
+
+def expected_prefix(rates: Sequence[float]) -> list[float]:
+    """[s]: `expected_tokens(rates, s)` for every s from 0 to len(rates), in one pass."""
+    out, total, survive = [1.0], 1.0, 1.0
+    for rate in rates:
+        survive *= rate
+        total += survive
+        out.append(total)
+    return out
 
 
 def reach(rates: Sequence[float]) -> list[float]:

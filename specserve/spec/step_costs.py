@@ -1,13 +1,23 @@
 """What a step costs, by shape: measured at start-up where the shapes are known, refined while serving.
 
-Two kinds of cost feed the adaptive policy: a target pass over `batch` requests of `query_len`
-tokens each (a decode when query_len is 1, a verify of query_len - 1 drafts otherwise), and one
-draft step over `batch` requests at `topk` branches (a model drafter's forward; n-gram lookup's
-host time). Each is a table of seconds keyed by (batch, width), filled by start-up profiling of the
-CUDA-graph buckets and kept current by an exponential moving average of what steps measured.
-Shapes never measured are interpolated linearly in batch between the nearest measured ones of the
-same width (past the largest, scaled in proportion; below the smallest, its cost: small batches
-are bound by launches, not by size), so one profile of the buckets covers every batch in between.
+Three kinds of cost feed the adaptive policy: a target pass over `batch` requests of `query_len`
+tokens each in a synchronous step (a verify of query_len - 1 drafts; a decode when query_len is 1),
+one draft step over `batch` requests at `topk` branches (a model drafter's forward; n-gram lookup's
+host time), and a plain decode step as the engine runs it with speculation off, overlapped with the
+host work of the step before (`DECODE`, measured only: its host work hides behind the device's, so
+it costs less than a synchronous pass of one token). Each is a table of seconds keyed by (batch,
+width), filled by start-up profiling of the CUDA-graph buckets and kept current by an exponential
+moving average of what steps measured. Shapes never measured are interpolated linearly in batch
+between the nearest measured ones of the same width (past the largest, scaled in proportion; below
+the smallest, its cost: small batches are bound by launches, not by size), so one profile of the
+buckets covers every batch in between.
+
+A profile times the device pass alone (input building, launch, sync); a live step adds its host
+work (verify, postprocess), which does not depend on the draft length much. So each live
+measurement of a profiled shape also updates that kind's residual at its batch (measured minus
+profiled, an average), and a profiled shape not yet measured live is estimated as its profile plus
+the residual: otherwise the shapes the engine never ran would look cheaper than those it did, and
+the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
 """
 
 from __future__ import annotations
@@ -15,24 +25,34 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 
-VERIFY, DRAFT = "verify", "draft"
+VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
 
 
 class StepCosts:
-    """`alpha`: weight of a new measurement in its shape's average. `default`: seconds a kind's
-    unmeasured shape is assumed to cost per token (batch * width) when no shape of its width was
-    measured at all; an engine replaces it within the first steps."""
+    """`alpha`: weight of a new measurement in its shape's average (0: keep the profile).
+    `default`: seconds a kind's unmeasured shape is assumed to cost per token (batch * width) when no
+    shape of its width was measured at all; an engine replaces it within the first steps."""
 
     def __init__(self, alpha: float = 0.2, default: float = 1e-3) -> None:
         self.alpha, self.default = alpha, default
         self._table: dict[tuple[str, int], dict[int, float]] = {}
+        self._profiled: dict[tuple[str, int], dict[int, float]] = {}
+        self._live: set[tuple[str, int, int]] = set()  # (kind, width, batch) measured while serving
+        self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> live minus profiled
 
     def observe(self, kind: str, batch: int, width: int, seconds: float) -> None:
-        if batch < 1 or width < 1 or not seconds > 0:
-            return  # an empty or untimed step says nothing about cost
+        if batch < 1 or width < 1 or not seconds > 0 or self.alpha == 0:
+            return  # an empty or untimed step says nothing about cost; alpha 0 keeps the profile
         row = self._table.setdefault((kind, width), {})
         old = row.get(batch)
         row[batch] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._live.add((kind, width, batch))
+        profiled = self._profiled.get((kind, width))
+        if profiled:
+            residuals = self._residual.setdefault(kind, {})
+            gap = seconds - _interpolate(profiled, batch)
+            old_gap = residuals.get(batch, 0.0)
+            residuals[batch] = old_gap + self.alpha * (gap - old_gap)
 
     def profile(self, kind: str, shapes: Iterable[tuple[int, int]], run: Callable[[int, int], float]) -> None:
         """Measure each (batch, width) with `run` (seconds) and take it as is."""
@@ -40,21 +60,33 @@ class StepCosts:
             seconds = run(batch, width)
             if seconds > 0:
                 self._table.setdefault((kind, width), {})[batch] = seconds
+                self._profiled.setdefault((kind, width), {})[batch] = seconds
+                self._live.discard((kind, width, batch))
+
+    def measures(self, kind: str) -> bool:
+        """Whether any shape of `kind` has a cost (profiled or measured)."""
+        return any(k == kind and row for (k, _), row in self._table.items())
 
     def estimate(self, kind: str, batch: int, width: int) -> float:
         row = self._table.get((kind, width))
         if not row:
             return self._unmeasured(kind, batch, width)
-        if batch in row:
+        if (kind, width, batch) in self._live:
             return row[batch]
-        sizes = sorted(row)
-        i = bisect.bisect_left(sizes, batch)
-        if i == 0:  # a smaller batch is bound by launches as the smallest measured one is
-            return row[sizes[0]]
-        if i == len(sizes):
-            return row[sizes[-1]] * batch / sizes[-1]
-        lo, hi = sizes[i - 1], sizes[i]
-        return row[lo] + (row[hi] - row[lo]) * (batch - lo) / (hi - lo)
+        profiled = self._profiled.get((kind, width))
+        if profiled:  # the profile, and what live steps of this kind cost beyond their profile
+            return max(_interpolate(profiled, batch) + self.residual(kind, batch), 1e-9)
+        return _interpolate(row, batch)
+
+    def residual(self, kind: str, batch: int) -> float:
+        """Seconds live steps of `kind` took beyond their profile, at the nearest measured batch."""
+        residuals = self._residual.get(kind)
+        if not residuals:
+            return 0.0
+        if batch in residuals:
+            return residuals[batch]
+        nearest = min(residuals, key=lambda b: max(b, batch) / min(b, batch))
+        return residuals[nearest]
 
     def _unmeasured(self, kind: str, batch: int, width: int) -> float:
         """From the nearest measured width of the same kind, in proportion to tokens; else the default."""
@@ -67,3 +99,16 @@ class StepCosts:
     def measured(self) -> dict[tuple[str, int, int], float]:
         """Every measured shape: (kind, batch, width) -> seconds."""
         return {(k, b, w): s for (k, w), row in self._table.items() for b, s in row.items()}
+
+
+def _interpolate(row: dict[int, float], batch: int) -> float:
+    if batch in row:
+        return row[batch]
+    sizes = sorted(row)
+    i = bisect.bisect_left(sizes, batch)
+    if i == 0:  # a smaller batch is bound by launches as the smallest measured one is
+        return row[sizes[0]]
+    if i == len(sizes):
+        return row[sizes[-1]] * batch / sizes[-1]
+    lo, hi = sizes[i - 1], sizes[i]
+    return row[lo] + (row[hi] - row[lo]) * (batch - lo) / (hi - lo)
