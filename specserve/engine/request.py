@@ -37,37 +37,45 @@ class LogprobRecord:
     chosen: list[tuple[int, float]] | None = None
 
 
-class PageMirror:
-    """An int64 array copy of a request's page list, caught up with what was appended since it was
-    last read: a step's page table then copies arrays instead of converting Python ints (with page
-    size 1 a request holds a page per token, so that conversion grew with every token). `KVManager`
-    truncates it whenever it shortens the list in place; a new list object starts it over."""
+class ListMirror:
+    """An int64 array copy of a request's growing int list (its pages, its token ids), caught up with
+    what was appended since it was last read: a step's page table then copies arrays instead of
+    converting Python ints (with page size 1 a request holds a page per token, so that conversion
+    grew with every token), and the n-gram drafter searches the tokens without converting them each
+    step. Whoever shortens the list in place truncates the mirror (`KVManager` the pages,
+    `Request.drop_pending` the tokens); a new list object, or a last mirrored entry that no longer
+    equals the list's, starts it over."""
 
-    __slots__ = ("_array", "_valid", "_source")
+    __slots__ = ("_array", "_valid", "_source", "_last")
 
     def __init__(self) -> None:
         self._array = np.zeros(0, dtype=np.int64)
         self._valid = 0  # leading entries known to equal the list's
         self._source: list[int] | None = None
+        self._last = 0  # the last of them, a Python int (a cheap check that they still do)
 
-    def first(self, pages: list[int], n: int) -> np.ndarray:
-        """`pages[:n]` as an int64 array (a view: copy it before `pages` changes)."""
-        if pages is self._source and self._valid == len(pages):  # nothing appended since
-            return self._array[: min(n, self._valid)]
-        if pages is not self._source or self._valid > len(pages):
-            self._source, self._valid = pages, 0
-        if self._valid < len(pages):
-            if len(pages) > len(self._array):
-                grown = np.zeros(max(2 * len(self._array), len(pages), 16), dtype=np.int64)
+    def first(self, items: list[int], n: int) -> np.ndarray:
+        """`items[:n]` as an int64 array (a view: copy it before `items` changes)."""
+        valid, size = self._valid, len(items)
+        if items is not self._source or valid > size or (valid and items[valid - 1] != self._last):
+            self._source, self._valid = items, 0
+        elif valid == size:  # nothing appended since
+            return self._array[: min(n, size)]
+        if self._valid < size:
+            if size > len(self._array):
+                grown = np.zeros(max(2 * len(self._array), size, 16), dtype=np.int64)
                 grown[: self._valid] = self._array[: self._valid]
                 self._array = grown
-            self._array[self._valid : len(pages)] = pages[self._valid :]
-            self._valid = len(pages)
-        return self._array[: min(n, len(pages))]
+            self._array[self._valid : size] = items[self._valid :]
+            self._valid, self._last = size, items[-1]
+        return self._array[: min(n, size)]
 
     def truncate(self, n: int) -> None:
-        """The list was cut to its first `n` pages."""
-        self._valid = min(self._valid, n)
+        """The list was cut to its first `n` entries."""
+        if n < self._valid:
+            self._valid = n
+            if n:
+                self._last = int(self._array[n - 1])
 
 
 @dataclass(eq=False)  # identity: a request is found in the scheduler's queues by `in` and `remove`
@@ -107,7 +115,8 @@ class Request:
     num_pending: int = 0
     settling: bool = False
     stream: bool = True  # an output every step (else only the last)
-    page_mirror: PageMirror = field(default_factory=PageMirror, repr=False, compare=False)
+    page_mirror: ListMirror = field(default_factory=ListMirror, repr=False, compare=False)
+    token_mirror: ListMirror = field(default_factory=ListMirror, repr=False, compare=False)
     prompt_len: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +181,7 @@ class Request:
         pending, self.num_pending = self.num_pending, 0
         if pending:
             del self.token_ids[len(self.token_ids) - pending :]
+            self.token_mirror.truncate(len(self.token_ids))
         return pending
 
     def finish(self, reason: dict[str, Any]) -> None:
