@@ -34,6 +34,7 @@ boundary are unknown and taken as zero: that costs acceptance, never correctness
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,7 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input, build_forest_input
 from specserve.model.draft_heads import DraftHead
+from specserve.spec.draft_graphs import DraftGraphs, DraftGraphShapes
 from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
@@ -89,6 +91,17 @@ class HeadDrafter(Drafter):
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(head.spec.arch, num_pages, page_size, self.dtype, self.device)
         self.backend = backend
+        self.graphs: DraftGraphs | None = None  # CUDA graphs of the chain and the extend (`use_graphs`)
+
+    def use_graphs(self, batch_sizes: tuple[int, ...], num_steps: int, max_seq_len: int) -> None:
+        """Draft through CUDA graphs (captured now on CUDA; the same static buffers run eagerly on
+        the CPU): chains of up to `num_steps` drafts and extends over up to num_steps + 1 tokens, for
+        batches up to the largest of `batch_sizes`."""
+        first = self.head.spec
+        fc = getattr(self.head.step_modules[0], "fc", None)
+        features = fc.in_features if first.method == "eagle3" else first.arch.hidden_size
+        shapes = DraftGraphShapes(batch_sizes, max(num_steps - self.num_modules, 0), (num_steps + 1,))
+        self.graphs = DraftGraphs(self.head, self.backend, self.kv_cache, shapes, max_seq_len, features)
 
     # ---- draft extend ----------------------------------------------------------------------
 
@@ -149,6 +162,17 @@ class HeadDrafter(Drafter):
         feeds = [f for f in feeds if f.tokens]
         if not feeds:
             return
+        graphs = self.graphs
+        if graphs is not None and graphs.extend_bucket(len(feeds), max(len(f.tokens) for f in feeds)):
+            previous = self._previous_tails(feeds, slice(0, -1)) if self.num_modules > 1 else None
+            out = graphs.run_extend(
+                [(f.request, f.start, f.tokens) for f in feeds],
+                features,
+                [r for f in feeds for r in f.rows],
+                previous,
+            )
+            self._store(feeds, out.tails, lambda index: out.logits.index_select(0, index))
+            return
         inp = build_draft_input([(f.request, f.start, f.tokens) for f in feeds], self.page_size, self.device)
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
         rows = to_device(torch.tensor([r for f in feeds for r in f.rows]), features.device)
@@ -165,11 +189,14 @@ class HeadDrafter(Drafter):
             if i == 0:
                 seed_hidden = to_logits.index_select(0, last)
         stacked = torch.stack(tails, dim=1)  # [B, k, H]
-        self._store(feeds, stacked, seed_hidden)
+        self._store(feeds, stacked, lambda index: self.head.logits(0, seed_hidden.index_select(0, index)))
 
-    def _previous_tails(self, feeds: list[TargetFeed], module: int) -> torch.Tensor:
-        """Module `module`'s output just before each feed's first position (zero where unknown)."""
+    def _previous_tails(self, feeds: list[TargetFeed], module: int | slice) -> torch.Tensor:
+        """Module `module`'s output (or those of a slice of modules) just before each feed's first
+        position (zero where unknown)."""
         zero = torch.zeros(self.head.spec.arch.hidden_size, dtype=self.dtype, device=self.device)
+        if isinstance(module, slice):
+            zero = zero.expand(len(range(self.num_modules)[module]), -1)
         rows = []
         for f in feeds:
             state: HeadState | None = f.request.draft_state
@@ -177,12 +204,19 @@ class HeadDrafter(Drafter):
             rows.append(state.tails[module] if known else zero)
         return torch.stack(rows)
 
-    def _store(self, feeds: list[TargetFeed], tails: torch.Tensor, seed_hidden: torch.Tensor) -> None:
+    def _store(
+        self,
+        feeds: list[TargetFeed],
+        tails: torch.Tensor,
+        seed_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Each feed's state: `tails` [B, k, H]; `seed_logits(index)`: module 0's draft logits at the
+        last rows of feeds `index` (those that seed a draft)."""
         seeded = [b for b, f in enumerate(feeds) if f.seed]
         tokens, q, logits = [], None, None
         if seeded:
             index = to_device(torch.tensor(seeded), self.device)
-            logits = self.head.logits(0, seed_hidden.index_select(0, index))
+            logits = seed_logits(index)
             reqs = [feeds[b].request for b in seeded]
             counters = [feeds[b].next_output for b in seeded]
             tokens, q = self._choose(logits, reqs, counters)
@@ -213,11 +247,38 @@ class HeadDrafter(Drafter):
         outputs = {id(r): r.draft_state.tails[:1] for r, _ in chains}
         step = 1
         while chains := [(r, k) for r, k in chains if k > step]:
+            if step == self.num_modules and self._graph_fits(chains, step):
+                self._draft_graphed(chains, step, outputs)
+                break
             self._draft_step([r for r, _ in chains], step, outputs)
             step += 1
         for req, _ in zip(reqs, budgets, strict=True):
             if isinstance(req.draft_probs, list):
                 req.draft_probs = torch.stack(req.draft_probs)
+
+    def _graph_fits(self, chains: list[tuple[Request, int]], step: int) -> bool:
+        """The chain graphs can run steps `step ...` of these chains (greedy ones only)."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and graphs.fits_chain(len(chains), max(k for _, k in chains) - step)
+            and all(r.params.greedy for r, _ in chains)
+        )
+
+    def _draft_graphed(
+        self, chains: list[tuple[Request, int]], step: int, outputs: dict[int, torch.Tensor]
+    ) -> None:
+        """Steps `step ...` of each chain (all of them reuse the last module) in one graph replay."""
+        reqs = [r for r, _ in chains]
+        drafts = self.graphs.run_chain(
+            reqs,
+            [r.draft[-1] for r in reqs],
+            [outputs[id(r)][-1:] for r in reqs],
+            [r.draft_state.position + step for r in reqs],
+            [k - step for _, k in chains],
+        )
+        for req, more in zip(reqs, drafts, strict=True):
+            req.draft.extend(more)
 
     def _draft_step(self, reqs: list[Request], step: int, outputs: dict[int, torch.Tensor]) -> None:
         module = self.head.module_for_step(step)

@@ -1,0 +1,315 @@
+"""CUDA graphs of a hidden-state head's drafting: the chain's reuse steps and the draft extend.
+
+Eagerly, each head forward costs far more host time (operator dispatch, input building, a `.tolist()`
+per step) than device time; these graphs make a round's drafting two replays.
+
+- **Chain** (`run_chain`), per (batch bucket, steps): the steps where the head reuses its last module
+  one row per request (EAGLE / EAGLE-3: every step s >= 1; an MTP chain of k modules: s >= k; the
+  earlier "fresh" steps, several rows a request, stay eager). The host fills the first step's token,
+  hidden state, position and the page table into static buffers; each step then computes its
+  positions, KV slots and context lengths on the device, runs the module and its logits, takes the
+  argmax (`draft_top1`, then `to_target_ids`) and feeds token and output hidden state to the next
+  step, with no host sync; the host reads every draft once at the end. A request with fewer steps
+  than the batch's most turns, for its extra steps, into a pad row: position 0, KV written to the
+  dummy slot (its reserved pages end with its own budget), outputs ignored. Pad rows have an all-zero
+  page table, so they read and write the dummy page only. Greedy batches only: a batch with sampling
+  rows drafts eagerly (its noise and q must stay exactly `choose_drafts`').
+- **Extend** (`run_extend`), per (batch bucket, query len): `HeadDrafter.after_target`'s forward
+  over every module for feeds of at most that many tokens (no backlog joined in), padded as a target
+  step is (`build_draft_input(pad=...)`: pad tokens at position 0 writing the dummy slot, pad
+  requests with no tokens). Module i > 0 pairs each token with module i-1's output one position
+  back through a host-computed shift index into [previous tails; outputs]. Out come every module's
+  tail and module 0's logits at each feed's last row; the seed token is chosen from them as before.
+
+Graphs are captured largest first into one memory pool of their own (never the target's: its
+outputs are still read after the extend). The attention's key-split count is fixed at capture for
+the longest context. Outputs live in the pool: what outlives the next replay is copied out. Without
+CUDA the same static buffers and padding run eagerly, so the CPU tests cover the logic.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.backend import AttentionBackend, AttentionBatch
+from specserve.engine.host_copy import to_device
+from specserve.engine.kv_cache import DUMMY_PAGE, KVCache
+from specserve.engine.request import Request
+from specserve.engine.step_input import build_draft_input, graph_head_size
+from specserve.model.draft_heads import DraftHead
+from specserve_kernels import use_triton
+from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
+
+# SPECSERVE_DRAFT_GRAPHS=0 drafts eagerly even where the target's steps run in CUDA graphs (to time both).
+DRAFT_GRAPHS_ENV = "SPECSERVE_DRAFT_GRAPHS"
+
+
+def draft_graphs_enabled() -> bool:
+    return os.environ.get(DRAFT_GRAPHS_ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class DraftGraphShapes:
+    """What a head drafter's graphs cover."""
+
+    batch_sizes: tuple[int, ...]  # ascending, the target's graph batch buckets
+    chain_steps: int  # most graphed chain steps one round runs (0: no chain graphs)
+    extend_lens: tuple[int, ...]  # ascending query lens of extend buckets (() : none)
+
+    def batch(self, batch: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= batch), None)
+
+
+@dataclass(frozen=True)
+class ExtendOutputs:
+    """Per feed (the first B rows are real): each module's output at its last token [B, k, H], and
+    module 0's draft logits there [B, V_draft]."""
+
+    tails: torch.Tensor
+    logits: torch.Tensor
+
+
+class _ChainBucket:
+    """The static inputs of chain graphs of one batch size: first step's token, its position, the
+    steps each row runs, and its hidden state."""
+
+    def __init__(self, batch: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.head = torch.zeros(3 * batch, dtype=torch.int64, device=device)
+        self.ids, self.base, self.steps = self.head.split(batch)
+        self.hidden = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+
+class _ExtendBucket:
+    """The static inputs and outputs of one extend bucket."""
+
+    def __init__(
+        self,
+        batch: int,
+        query_len: int,
+        page_table: torch.Tensor,
+        page_size: int,
+        max_seq_len: int,
+        feature_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        device = page_table.device
+        tokens = batch * query_len
+        self.batch, self.query_len = batch, query_len
+        self.head = torch.zeros(graph_head_size(tokens, batch), dtype=torch.int64, device=device)
+        ids, positions, slots, query_start, seq_lens = self.head.split([tokens] * 3 + [batch + 1, batch])
+        query_start.copy_(torch.arange(batch + 1) * query_len)  # until the first run: the dummy page
+        seq_lens.fill_(query_len)
+        self.ids, self.positions = ids, positions
+        # Each feed's last row, and each row's source in [previous tails (batch rows); outputs].
+        self.rows = torch.zeros(batch + tokens, dtype=torch.int64, device=device)
+        self.last, self.shift = self.rows.split([batch, tokens])
+        self.features = torch.zeros(tokens, feature_size, dtype=dtype, device=device)
+        self.attention = AttentionBatch(
+            query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: ExtendOutputs | None = None
+
+
+class DraftGraphs:
+    """A `HeadDrafter`'s graphs (captured at construction on CUDA); `run_chain` and `run_extend`."""
+
+    def __init__(
+        self,
+        head: DraftHead,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        shapes: DraftGraphShapes,
+        max_seq_len: int,
+        feature_size: int,
+    ) -> None:
+        self.head, self.backend, self.kv_cache, self.shapes = head, backend, kv_cache, shapes
+        self.max_seq_len, self.page_size = max_seq_len, kv_cache.page_size
+        self.num_modules = len(head.step_modules)
+        self.module = self.num_modules - 1  # the module every graphed chain step runs
+        weight = next(head.parameters())
+        device, dtype = weight.device, weight.dtype
+        hidden = head.spec.arch.hidden_size
+        most = max(shapes.batch_sizes)
+        self.page_table = torch.zeros(
+            most, -(-max_seq_len // self.page_size), dtype=torch.int64, device=device
+        )
+        self.query_start = torch.arange(most + 1, dtype=torch.int64, device=device)  # one row a request
+        self.tokens = torch.zeros(max(shapes.chain_steps, 1), most, dtype=torch.int64, device=device)
+        self.chain = (
+            {b: _ChainBucket(b, hidden, dtype, device) for b in shapes.batch_sizes}
+            if shapes.chain_steps > 0
+            else {}
+        )
+        # Module outputs just before each feed (modules 0 .. k-2), for modules 1 .. k-1 of the extend.
+        self.previous = torch.zeros(most, max(self.num_modules - 1, 1), hidden, dtype=dtype, device=device)
+        self.extend = {
+            (b, q): _ExtendBucket(b, q, self.page_table, self.page_size, max_seq_len, feature_size, dtype)
+            for q in shapes.extend_lens
+            for b in shapes.batch_sizes
+        }
+        self.top1 = draft_top1 if use_triton(device) else draft_top1_ref
+        self.captured = device.type == "cuda"
+        if self.captured:
+            self._capture_all()
+
+    # ---- the chain ---------------------------------------------------------------------------
+
+    def fits_chain(self, batch: int, steps: int) -> bool:
+        return bool(self.chain) and steps <= self.shapes.chain_steps and self.shapes.batch(batch) is not None
+
+    def run_chain(
+        self,
+        reqs: Sequence[Request],
+        tokens: Sequence[int],
+        hidden: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        steps: Sequence[int],
+    ) -> list[list[int]]:
+        """Greedy chain steps of the head's last module: request i starts from `tokens[i]` at
+        `positions[i]` with hidden state `hidden[i]` ([1, H]) and runs `steps[i]` steps (each
+        position's KV slot on its pages, which must be held). Returns each request's drafts."""
+        n, most = len(reqs), max(steps)
+        batch = self.shapes.batch(n)
+        bucket = self.chain[batch]
+        ends = [p + s for p, s in zip(positions, steps, strict=True)]
+        table = _page_table(reqs, ends, self.page_size, batch)
+        head = np.zeros((3, batch), dtype=np.int64)
+        head[0, :n], head[1, :n], head[2, :n] = tokens, positions, steps
+        packed = to_device(
+            torch.from_numpy(np.concatenate([head.ravel(), table.ravel()])), bucket.head.device
+        )
+        bucket.head.copy_(packed[: 3 * batch])
+        self.page_table[:batch, : table.shape[1]].copy_(packed[3 * batch :].view(table.shape))
+        torch.cat(list(hidden), out=bucket.hidden[:n])
+        if self.captured:
+            bucket.graphs[most].replay()
+        else:
+            self._chain_forward(bucket, batch, most)
+        drafts = self.tokens[:most, :n].t().tolist()  # the round's one host sync
+        return [row[:s] for row, s in zip(drafts, steps, strict=True)]
+
+    @torch.inference_mode()
+    def _chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
+        head, ps, module = self.head, self.page_size, self.module
+        table, query_start = self.page_table[:batch], self.query_start[: batch + 1]
+        ids, hidden, dummy = bucket.ids, bucket.hidden, DUMMY_PAGE * ps
+        for j in range(steps):
+            # Rows past their own steps become pad rows: position 0, the dummy slot.
+            active = bucket.steps > j
+            pos = torch.where(active, bucket.base + j, 0)
+            page = table.gather(1, (pos // ps)[:, None])[:, 0]
+            slots = torch.where(active, page * ps + pos % ps, dummy)
+            attention = AttentionBatch(query_start, pos + 1, slots, table, ps, 1, self.max_seq_len)
+            ctx = self.backend.prepare(attention, self.kv_cache)
+            hidden, to_logits = head.run(module, ids, hidden, pos, ctx, from_target=False)
+            top, _ = self.top1(head.logits(module, to_logits))
+            ids = head.to_target_ids(top)
+            self.tokens[j, :batch].copy_(ids)
+
+    # ---- the extend --------------------------------------------------------------------------
+
+    def extend_bucket(self, batch: int, max_len: int) -> tuple[int, int] | None:
+        b = self.shapes.batch(batch)
+        q = next((q for q in self.shapes.extend_lens if q >= max_len), None)
+        return None if b is None or q is None else (b, q)
+
+    def run_extend(
+        self,
+        feeds: list[tuple[Request, int, list[int]]],
+        features: torch.Tensor,
+        rows: Sequence[int],
+        previous: torch.Tensor | None,
+    ) -> ExtendOutputs:
+        """The extend's forward over (request, start, tokens) feeds that fit a bucket: the feeds'
+        tokens pair with `features` rows `rows` (in order), module i > 0 with `previous[:, i-1]`
+        ([B, k-1, H]: module i-1's output before each feed) at a feed's first token. Outputs are
+        copies (they outlive the next replay)."""
+        n, lens = len(feeds), [len(t) for _, _, t in feeds]
+        batch, query_len = self.extend_bucket(n, max(lens))
+        graph = self.extend[(batch, query_len)]
+        tokens = batch * query_len
+        first = np.cumsum([0, *lens[:-1]])
+        last = np.zeros(batch, dtype=np.int64)
+        last[:n] = first + np.asarray(lens) - 1
+        shift = np.arange(tokens, dtype=np.int64) - 1 + batch
+        shift[first] = np.arange(n)
+        inp = build_draft_input(
+            feeds, self.page_size, graph.head.device, (batch, query_len), [last, shift, np.asarray(rows)]
+        )
+        # The packed buffer: the graph's head, the page table, the n last rows, then `last`, `shift`.
+        head_size = graph.head.shape[0]
+        graph.head.copy_(inp.packed[:head_size])
+        table = inp.attention.page_table
+        self.page_table[:batch, : table.shape[1]].copy_(table)
+        start = head_size + table.numel() + n
+        graph.rows.copy_(inp.packed[start : start + graph.rows.shape[0]])
+        picked = features.index_select(0, inp.extra[2])
+        graph.features[: picked.shape[0]].copy_(picked)
+        if previous is not None:
+            self.previous[:n].copy_(previous)
+        if self.captured:
+            graph.graph.replay()
+            out = graph.outputs
+            return ExtendOutputs(out.tails[:n].clone(), out.logits[:n].clone())
+        out = self._extend_forward(graph)
+        return ExtendOutputs(out.tails[:n], out.logits[:n])
+
+    @torch.inference_mode()
+    def _extend_forward(self, graph: _ExtendBucket) -> ExtendOutputs:
+        head = self.head
+        ctx = self.backend.prepare(graph.attention, self.kv_cache)
+        hidden, out, tails, seed = graph.features, None, [], None
+        previous = self.previous[: graph.batch]
+        for i in range(self.num_modules):
+            if out is not None:  # module i pairs each token with module i-1's output one position back
+                hidden = torch.cat([previous[:, i - 1], out]).index_select(0, graph.shift)
+            out, to_logits = head.run(i, graph.ids, hidden, graph.positions, ctx, from_target=i == 0)
+            tails.append(out.index_select(0, graph.last))
+            if i == 0:
+                seed = to_logits.index_select(0, graph.last)
+        return ExtendOutputs(torch.stack(tails, dim=1), head.logits(0, seed))
+
+    # ---- capture -----------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        jobs = [
+            (b * q, (lambda g=g: self._extend_forward(g)), g, None) for (b, q), g in self.extend.items()
+        ] + [
+            (b * n, (lambda c=c, b=b, n=n: self._chain_forward(c, b, n)), c, n)
+            for b, c in self.chain.items()
+            for n in range(1, self.shapes.chain_steps + 1)
+        ]
+        pool = None
+        for _, forward, owner, steps in sorted(jobs, key=lambda job: -job[0]):  # largest first
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compiles the kernels off the graph
+                forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = forward()
+            pool = graph.pool()
+            if steps is None:
+                owner.graph, owner.outputs = graph, outputs
+            else:
+                owner.graphs[steps] = graph
+        torch.cuda.synchronize()
+
+
+def _page_table(reqs: Sequence[Request], ends: Sequence[int], page_size: int, batch: int) -> np.ndarray:
+    """[batch, pages] pages of each request up to position `ends[i]` (exclusive); pad rows all zero
+    (the dummy page)."""
+    widths = [-(-e // page_size) for e in ends]
+    table = np.zeros((batch, max(widths)), dtype=np.int64)
+    for row, (req, width) in enumerate(zip(reqs, widths, strict=True)):
+        pages = req.page_mirror.first(req.pages, width)
+        table[row, : len(pages)] = pages
+    return table
