@@ -65,6 +65,22 @@ class DraftGraphShapes:
         return next((b for b in self.batch_sizes if b >= batch), None)
 
 
+class DeviceTokens:
+    """Draft tokens left on the device (a graphed extend's greedy seeds), read to the host once, when
+    first needed: a chain graph takes them as its first inputs and reads them back with its drafts."""
+
+    __slots__ = ("ids", "_host")
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self._host: list[int] | None = None
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.ids.tolist()
+        return self._host
+
+
 @dataclass(frozen=True)
 class ExtendOutputs:
     """Per feed (the first B rows are real): each module's output at its last token [B, k, H], and
@@ -141,7 +157,8 @@ class DraftGraphs:
             most, -(-max_seq_len // self.page_size), dtype=torch.int64, device=device
         )
         self.query_start = torch.arange(most + 1, dtype=torch.int64, device=device)  # one row a request
-        self.tokens = torch.zeros(max(shapes.chain_steps, 1), most, dtype=torch.int64, device=device)
+        # Each chain graph's drafts, after a first row holding its input tokens.
+        self.tokens = torch.zeros(shapes.chain_steps + 1, most, dtype=torch.int64, device=device)
         self.chain = (
             {b: _ChainBucket(b, hidden, dtype, device) for b in shapes.batch_sizes}
             if shapes.chain_steps > 0
@@ -162,44 +179,55 @@ class DraftGraphs:
     # ---- the chain ---------------------------------------------------------------------------
 
     def fits_chain(self, batch: int, steps: int) -> bool:
-        return bool(self.chain) and steps <= self.shapes.chain_steps and self.shapes.batch(batch) is not None
+        return 0 < steps <= self.shapes.chain_steps and self.shapes.batch(batch) is not None
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy draft (target ids) of rows of draft logits, left on the device (no sync)."""
+        return self.head.to_target_ids(self.top1(logits)[0])
 
     def run_chain(
         self,
         reqs: Sequence[Request],
-        tokens: Sequence[int],
+        tokens: Sequence[int] | torch.Tensor,
         hidden: Sequence[torch.Tensor],
         positions: Sequence[int],
         steps: Sequence[int],
     ) -> list[list[int]]:
-        """Greedy chain steps of the head's last module: request i starts from `tokens[i]` at
-        `positions[i]` with hidden state `hidden[i]` ([1, H]) and runs `steps[i]` steps (each
-        position's KV slot on its pages, which must be held). Returns each request's drafts."""
+        """Greedy chain steps of the head's last module: request i starts from `tokens[i]` (host ints,
+        or a device tensor) at `positions[i]` with hidden state `hidden[i]` ([1, H]) and runs
+        `steps[i]` steps (each position's KV slot on its pages, which must be held). Returns each
+        request's input token followed by its drafts."""
         n, most = len(reqs), max(steps)
         batch = self.shapes.batch(n)
         bucket = self.chain[batch]
         ends = [p + s for p, s in zip(positions, steps, strict=True)]
         table = _page_table(reqs, ends, self.page_size, batch)
         head = np.zeros((3, batch), dtype=np.int64)
-        head[0, :n], head[1, :n], head[2, :n] = tokens, positions, steps
+        on_device = isinstance(tokens, torch.Tensor)
+        head[1, :n], head[2, :n] = positions, steps
+        if not on_device:
+            head[0, :n] = tokens
         packed = to_device(
             torch.from_numpy(np.concatenate([head.ravel(), table.ravel()])), bucket.head.device
         )
         bucket.head.copy_(packed[: 3 * batch])
+        if on_device:
+            bucket.ids[:n].copy_(tokens)
         self.page_table[:batch, : table.shape[1]].copy_(packed[3 * batch :].view(table.shape))
         torch.cat(list(hidden), out=bucket.hidden[:n])
         if self.captured:
             bucket.graphs[most].replay()
         else:
             self._chain_forward(bucket, batch, most)
-        drafts = self.tokens[:most, :n].t().tolist()  # the round's one host sync
-        return [row[:s] for row, s in zip(drafts, steps, strict=True)]
+        drafts = self.tokens[: most + 1, :n].t().tolist()  # the round's one host sync
+        return [row[: s + 1] for row, s in zip(drafts, steps, strict=True)]
 
     @torch.inference_mode()
     def _chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
         head, ps, module = self.head, self.page_size, self.module
         table, query_start = self.page_table[:batch], self.query_start[: batch + 1]
         ids, hidden, dummy = bucket.ids, bucket.hidden, DUMMY_PAGE * ps
+        self.tokens[0, :batch].copy_(ids)
         for j in range(steps):
             # Rows past their own steps become pad rows: position 0, the dummy slot.
             active = bucket.steps > j
@@ -211,7 +239,7 @@ class DraftGraphs:
             hidden, to_logits = head.run(module, ids, hidden, pos, ctx, from_target=False)
             top, _ = self.top1(head.logits(module, to_logits))
             ids = head.to_target_ids(top)
-            self.tokens[j, :batch].copy_(ids)
+            self.tokens[j + 1, :batch].copy_(ids)
 
     # ---- the extend --------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input, build_forest_input
 from specserve.model.draft_heads import DraftHead
-from specserve.spec.draft_graphs import DraftGraphs, DraftGraphShapes
+from specserve.spec.draft_graphs import DeviceTokens, DraftGraphs, DraftGraphShapes
 from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
@@ -63,6 +63,16 @@ class HeadState:
     token: int | None = None  # the first draft (None when the request will not decode next)
     q: torch.Tensor | None = None  # [V] its distribution, for sampling requests
     logits: torch.Tensor | None = None  # [V_draft] the draft logits it came from (trees start there)
+    # With draft graphs, a greedy first draft stays on the device until read: row `seed_row` of it.
+    seeds: DeviceTokens | None = None
+    seed_row: int = 0
+
+    @property
+    def seeded(self) -> bool:
+        return self.token is not None or self.seeds is not None
+
+    def first_draft(self) -> int:
+        return self.token if self.token is not None else self.seeds.host()[self.seed_row]
 
 
 @dataclass(frozen=True)
@@ -213,13 +223,17 @@ class HeadDrafter(Drafter):
         """Each feed's state: `tails` [B, k, H]; `seed_logits(index)`: module 0's draft logits at the
         last rows of feeds `index` (those that seed a draft)."""
         seeded = [b for b, f in enumerate(feeds) if f.seed]
-        tokens, q, logits = [], None, None
+        tokens, q, logits, seeds = [], None, None, None
         if seeded:
             index = to_device(torch.tensor(seeded), self.device)
             logits = seed_logits(index)
             reqs = [feeds[b].request for b in seeded]
-            counters = [feeds[b].next_output for b in seeded]
-            tokens, q = self._choose(logits, reqs, counters)
+            if self.graphs is not None and all(r.params.greedy for r in reqs):
+                # Read with the chain's drafts (one host sync a round), or when first needed.
+                seeds = DeviceTokens(self.graphs.greedy_tokens(logits))
+            else:
+                counters = [feeds[b].next_output for b in seeded]
+                tokens, q = self._choose(logits, reqs, counters)
         by_feed = dict(zip(seeded, range(len(seeded)), strict=True))
         for b, f in enumerate(feeds):
             req, j = f.request, by_feed.get(b)
@@ -227,9 +241,11 @@ class HeadDrafter(Drafter):
             req.draft_state = HeadState(
                 position=f.start + len(f.tokens) - 1,
                 tails=tails[b],
-                token=tokens[j] if j is not None else None,
+                token=tokens[j] if j is not None and seeds is None else None,
                 q=sampled_q,
                 logits=logits[j] if j is not None else None,
+                seeds=seeds if j is not None else None,
+                seed_row=j or 0,
             )
             req.draft_computed = f.start + len(f.tokens)
 
@@ -239,9 +255,12 @@ class HeadDrafter(Drafter):
         """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
         self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
+        if self.num_modules == 1 and self._graph_fits(chains, 1):  # the seeds may still be on the device
+            self._draft_graphed(chains, 1, None)
+            return
         for req, _ in chains:
             state: HeadState = req.draft_state
-            req.draft = [state.token]
+            req.draft = [state.first_draft()]
             req.draft_probs = [state.q] if state.q is not None else None
         # request -> the previous step's outputs, one per row it ran (step 0: module 0 at the seed)
         outputs = {id(r): r.draft_state.tails[:1] for r, _ in chains}
@@ -261,24 +280,34 @@ class HeadDrafter(Drafter):
         graphs = self.graphs
         return (
             graphs is not None
+            and bool(chains)
             and graphs.fits_chain(len(chains), max(k for _, k in chains) - step)
             and all(r.params.greedy for r, _ in chains)
         )
 
     def _draft_graphed(
-        self, chains: list[tuple[Request, int]], step: int, outputs: dict[int, torch.Tensor]
+        self,
+        chains: list[tuple[Request, int]],
+        step: int,
+        outputs: dict[int, torch.Tensor] | None,
     ) -> None:
-        """Steps `step ...` of each chain (all of them reuse the last module) in one graph replay."""
+        """Steps `step ...` of each chain (all of them reuse the last module) in one graph replay.
+        `outputs` None: step 1 of one-module heads, from the extend's seeds and tails (the seeds are
+        read with the drafts)."""
         reqs = [r for r, _ in chains]
+        states: list[HeadState] = [r.draft_state for r in reqs]
+        if outputs is None:
+            tokens, hidden = _seed_tokens(states, self.device), [s.tails[:1] for s in states]
+        else:
+            tokens, hidden = [r.draft[-1] for r in reqs], [outputs[id(r)][-1:] for r in reqs]
         drafts = self.graphs.run_chain(
-            reqs,
-            [r.draft[-1] for r in reqs],
-            [outputs[id(r)][-1:] for r in reqs],
-            [r.draft_state.position + step for r in reqs],
-            [k - step for _, k in chains],
+            reqs, tokens, hidden, [s.position + step for s in states], [k - step for _, k in chains]
         )
-        for req, more in zip(reqs, drafts, strict=True):
-            req.draft.extend(more)
+        for req, chain in zip(reqs, drafts, strict=True):
+            if outputs is None:
+                req.draft, req.draft_probs = chain, None
+            else:
+                req.draft.extend(chain[1:])
 
     def _draft_step(self, reqs: list[Request], step: int, outputs: dict[int, torch.Tensor]) -> None:
         module = self.head.module_for_step(step)
@@ -383,7 +412,18 @@ class HeadDrafter(Drafter):
 
 def _has_seed(req: Request) -> bool:
     state = req.draft_state
-    return isinstance(state, HeadState) and state.token is not None and state.position == req.num_computed - 1
+    return isinstance(state, HeadState) and state.seeded and state.position == req.num_computed - 1
+
+
+def _seed_tokens(states: list[HeadState], device: torch.device) -> list[int] | torch.Tensor:
+    """The first drafts of these states: on the device where one extend left them all there."""
+    seeds = states[0].seeds
+    if seeds is None or any(s.seeds is not seeds for s in states):
+        return [s.first_draft() for s in states]
+    rows = [s.seed_row for s in states]
+    if rows == list(range(seeds.ids.shape[0])):
+        return seeds.ids
+    return seeds.ids.index_select(0, to_device(torch.tensor(rows), device))
 
 
 def _shift_in(out: torch.Tensor, previous: torch.Tensor, first_rows: np.ndarray, device) -> torch.Tensor:
