@@ -257,8 +257,9 @@ class DraftGraphs:
     ) -> ExtendOutputs:
         """The extend's forward over (request, start, tokens) feeds that fit a bucket: the feeds'
         tokens pair with `features` rows `rows` (in order), module i > 0 with `previous[:, i-1]`
-        ([B, k-1, H]: module i-1's output before each feed) at a feed's first token. Outputs are
-        copies (they outlive the next replay)."""
+        ([B, k-1, H]: module i-1's output before each feed) at a feed's first token. The tails are
+        a copy; the logits a view of the graph's output (select the rows wanted before the next
+        replay)."""
         n, lens = len(feeds), [len(t) for _, _, t in feeds]
         batch, query_len = self.extend_bucket(n, max(lens))
         graph = self.extend[(batch, query_len)]
@@ -285,7 +286,7 @@ class DraftGraphs:
         if self.captured:
             graph.graph.replay()
             out = graph.outputs
-            return ExtendOutputs(out.tails[:n].clone(), out.logits[:n].clone())
+            return ExtendOutputs(out.tails[:n].clone(), out.logits[:n])
         out = self._extend_forward(graph)
         return ExtendOutputs(out.tails[:n], out.logits[:n])
 
