@@ -111,8 +111,7 @@ class _ExtendBucket:
         page_table: torch.Tensor,
         page_size: int,
         max_seq_len: int,
-        feature_size: int,
-        dtype: torch.dtype,
+        features: torch.Tensor,
     ) -> None:
         device = page_table.device
         tokens = batch * query_len
@@ -125,7 +124,7 @@ class _ExtendBucket:
         # Each feed's last row, and each row's source in [previous tails (batch rows); outputs].
         self.rows = torch.zeros(batch + tokens, dtype=torch.int64, device=device)
         self.last, self.shift = self.rows.split([batch, tokens])
-        self.features = torch.zeros(tokens, feature_size, dtype=dtype, device=device)
+        self.features = features[:tokens]  # the target features of its rows (shared by all buckets)
         self.attention = AttentionBatch(
             query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len
         )
@@ -166,8 +165,10 @@ class DraftGraphs:
         )
         # Module outputs just before each feed (modules 0 .. k-2), for modules 1 .. k-1 of the extend.
         self.previous = torch.zeros(most, max(self.num_modules - 1, 1), hidden, dtype=dtype, device=device)
+        rows = most * max(shapes.extend_lens, default=0)
+        features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
         self.extend = {
-            (b, q): _ExtendBucket(b, q, self.page_table, self.page_size, max_seq_len, feature_size, dtype)
+            (b, q): _ExtendBucket(b, q, self.page_table, self.page_size, max_seq_len, features)
             for q in shapes.extend_lens
             for b in shapes.batch_sizes
         }
