@@ -108,7 +108,8 @@ class Engine:
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
         if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
-            self.drafter.use_graphs(buckets.batch_sizes, _chain_steps(config.speculative), self.max_model_len)
+            chain, depth = _draft_depths(config.speculative)
+            self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len)
         self._overlap = config.use_overlap() and self.drafter is None
         # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
         # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
@@ -858,10 +859,11 @@ def _stop_ids(req: Request) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _chain_steps(spec: SpeculativeConfig) -> int:
-    """The longest draft (chain, or a tree's depth) of any shape `spec` may run."""
+def _draft_depths(spec: SpeculativeConfig) -> tuple[int, int]:
+    """The longest chain (0: none) and the deepest draft, chain or tree, of any shape `spec` may run."""
     tiers = configured_tiers(spec) if spec.adaptive is not None else ()
-    return max([spec.num_steps, *(t.num_steps for t in tiers)])
+    shapes = [(spec.num_steps, spec.topk), *((t.num_steps, t.topk) for t in tiers if not t.off)]
+    return max((n for n, k in shapes if k == 1), default=0), max(n for n, _ in shapes)
 
 
 def _configured_settings(config: EngineConfig) -> SpecSettings:

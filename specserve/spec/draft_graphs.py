@@ -1,30 +1,36 @@
-"""CUDA graphs of a hidden-state head's drafting: the chain's reuse steps and the draft extend.
+"""CUDA graphs of a hidden-state head's drafting: the draft chain and the draft extend.
 
 Eagerly, each head forward costs far more host time (operator dispatch, input building, a `.tolist()`
-per step) than device time; these graphs make a round's drafting two replays.
+per step) than device time; with these graphs a greedy round's drafting is two replays and one host
+sync.
 
-- **Chain** (`run_chain`), per (batch bucket, steps): the steps where the head reuses its last module
-  one row per request (EAGLE / EAGLE-3: every step s >= 1; an MTP chain of k modules: s >= k; the
-  earlier "fresh" steps, several rows a request, stay eager). The host fills the first step's token,
-  hidden state, position and the page table into static buffers; each step then computes its
-  positions, KV slots and context lengths on the device, runs the module and its logits, takes the
-  argmax (`draft_top1`, then `to_target_ids`) and feeds token and output hidden state to the next
-  step, with no host sync; the host reads every draft once at the end. A request with fewer steps
-  than the batch's most turns, for its extra steps, into a pad row: position 0, KV written to the
-  dummy slot (its reserved pages end with its own budget), outputs ignored. Pad rows have an all-zero
-  page table, so they read and write the dummy page only. Greedy batches only: a batch with sampling
-  rows drafts eagerly (its noise and q must stay exactly `choose_drafts`').
+- **Chain** (`run_chain`), per (batch bucket, steps): steps 1 .. budget-1 of every request's chain
+  after the extend's first draft, as `HeadDrafter._draft_step` runs them: step s runs module
+  m = min(s, k-1), over the s positions since the extend while m is new to the chain (MTP's
+  "fresh" steps: the drafts so far paired with module m-1's tail and outputs), else over the newest
+  position, fed its own previous output (EAGLE / EAGLE-3: every step). The host fills the first
+  draft (straight from the extend's device output when it left it there: `DeviceTokens`), the
+  tails, the newest extended position, the steps and the page table into static buffers; each step
+  computes its positions, KV slots and context lengths on the device, runs the module and its
+  logits, takes the argmax (`draft_top1`, then `to_target_ids`) and feeds tokens and hidden states
+  to the next, with no host sync; the host reads every draft once at the end. A request with fewer
+  steps than the batch's most turns, for its extra steps, into a pad row (positions from 0, KV to
+  the dummy slot: its reserved pages end with its own budget; outputs ignored). Pad rows have an
+  all-zero page table, so they read and write the dummy page only. Greedy batches only: a batch
+  with sampling rows drafts eagerly (its noise and q must stay exactly `choose_drafts`').
 - **Extend** (`run_extend`), per (batch bucket, query len): `HeadDrafter.after_target`'s forward
-  over every module for feeds of at most that many tokens (no backlog joined in), padded as a target
-  step is (`build_draft_input(pad=...)`: pad tokens at position 0 writing the dummy slot, pad
-  requests with no tokens). Module i > 0 pairs each token with module i-1's output one position
-  back through a host-computed shift index into [previous tails; outputs]. Out come every module's
-  tail and module 0's logits at each feed's last row; the seed token is chosen from them as before.
+  over every module for feeds of at most that many tokens (a joined backlog or a prefill is
+  longer: eager), padded as a target step is (`build_draft_input(pad=...)`: pad tokens at position
+  0 writing the dummy slot, pad requests with no tokens). Module i > 0 pairs each token with module
+  i-1's output one position back through a host-computed shift index into [previous tails;
+  outputs]. Out come every module's tail and module 0's logits at each feed's last row; the seed is
+  chosen from them (greedy: on the device, `greedy_tokens`).
 
 Graphs are captured largest first into one memory pool of their own (never the target's: its
 outputs are still read after the extend). The attention's key-split count is fixed at capture for
 the longest context. Outputs live in the pool: what outlives the next replay is copied out. Without
-CUDA the same static buffers and padding run eagerly, so the CPU tests cover the logic.
+CUDA the same static buffers and padding run eagerly, so the CPU tests cover the logic (rows of a
+padded bucket may round differently from an eager batch's in matmuls, never in tokens).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ class DraftGraphShapes:
     """What a head drafter's graphs cover."""
 
     batch_sizes: tuple[int, ...]  # ascending, the target's graph batch buckets
-    chain_steps: int  # most graphed chain steps one round runs (0: no chain graphs)
+    chain_steps: int  # most chain steps after the first draft one round runs (0: no chain graphs)
     extend_lens: tuple[int, ...]  # ascending query lens of extend buckets (() : none)
 
     def batch(self, batch: int) -> int | None:
@@ -91,13 +97,15 @@ class ExtendOutputs:
 
 
 class _ChainBucket:
-    """The static inputs of chain graphs of one batch size: first step's token, its position, the
-    steps each row runs, and its hidden state."""
+    """The static inputs of chain graphs of one batch size: each row's first draft, its newest
+    extended position, the steps it runs, and its modules' tails there."""
 
-    def __init__(self, batch: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, batch: int, modules: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.head = torch.zeros(3 * batch, dtype=torch.int64, device=device)
         self.ids, self.base, self.steps = self.head.split(batch)
-        self.hidden = torch.zeros(batch, hidden_size, dtype=dtype, device=device)
+        self.tails = torch.zeros(batch, modules, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
 
@@ -147,7 +155,6 @@ class DraftGraphs:
         self.head, self.backend, self.kv_cache, self.shapes = head, backend, kv_cache, shapes
         self.max_seq_len, self.page_size = max_seq_len, kv_cache.page_size
         self.num_modules = len(head.step_modules)
-        self.module = self.num_modules - 1  # the module every graphed chain step runs
         weight = next(head.parameters())
         device, dtype = weight.device, weight.dtype
         hidden = head.spec.arch.hidden_size
@@ -159,7 +166,7 @@ class DraftGraphs:
         # Each chain graph's drafts, after a first row holding its input tokens.
         self.tokens = torch.zeros(shapes.chain_steps + 1, most, dtype=torch.int64, device=device)
         self.chain = (
-            {b: _ChainBucket(b, hidden, dtype, device) for b in shapes.batch_sizes}
+            {b: _ChainBucket(b, self.num_modules, hidden, dtype, device) for b in shapes.batch_sizes}
             if shapes.chain_steps > 0
             else {}
         )
@@ -190,18 +197,18 @@ class DraftGraphs:
         self,
         reqs: Sequence[Request],
         tokens: Sequence[int] | torch.Tensor,
-        hidden: Sequence[torch.Tensor],
+        tails: Sequence[torch.Tensor],
         positions: Sequence[int],
         steps: Sequence[int],
     ) -> list[list[int]]:
-        """Greedy chain steps of the head's last module: request i starts from `tokens[i]` (host ints,
-        or a device tensor) at `positions[i]` with hidden state `hidden[i]` ([1, H]) and runs
-        `steps[i]` steps (each position's KV slot on its pages, which must be held). Returns each
-        request's input token followed by its drafts."""
+        """Greedy chain steps 1 .. steps[i] of request i, from its extend's state: its first draft
+        `tokens[i]` (host ints, or a device tensor), each module's tail `tails[i]` ([k, H]) at its
+        newest extended position `positions[i]`. The KV slots of every position it drafts must be
+        held. Returns each request's first draft followed by the new ones."""
         n, most = len(reqs), max(steps)
         batch = self.shapes.batch(n)
         bucket = self.chain[batch]
-        ends = [p + s for p, s in zip(positions, steps, strict=True)]
+        ends = [p + s + 1 for p, s in zip(positions, steps, strict=True)]
         table = _page_table(reqs, ends, self.page_size, batch)
         head = np.zeros((3, batch), dtype=np.int64)
         on_device = isinstance(tokens, torch.Tensor)
@@ -215,7 +222,7 @@ class DraftGraphs:
         if on_device:
             bucket.ids[:n].copy_(tokens)
         self.page_table[:batch, : table.shape[1]].copy_(packed[3 * batch :].view(table.shape))
-        torch.cat(list(hidden), out=bucket.hidden[:n])
+        torch.stack(list(tails), out=bucket.tails[:n])
         if self.captured:
             bucket.graphs[most].replay()
         else:
@@ -225,22 +232,40 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def _chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
-        head, ps, module = self.head, self.page_size, self.module
-        table, query_start = self.page_table[:batch], self.query_start[: batch + 1]
-        ids, hidden, dummy = bucket.ids, bucket.hidden, DUMMY_PAGE * ps
-        self.tokens[0, :batch].copy_(ids)
-        for j in range(steps):
-            # Rows past their own steps become pad rows: position 0, the dummy slot.
-            active = bucket.steps > j
-            pos = torch.where(active, bucket.base + j, 0)
-            page = table.gather(1, (pos // ps)[:, None])[:, 0]
+        """Steps 1 .. `steps` as `HeadDrafter._draft_step` runs them, every row in each: step s runs
+        module m = min(s, k-1), over the s positions since the extend while m is new to the chain
+        (fresh), else over the newest one. A row past its own steps turns into a pad row (positions
+        from 0, KV to the dummy slot) and its outputs are ignored."""
+        head, ps, dummy = self.head, self.page_size, DUMMY_PAGE * self.page_size
+        table, device = self.page_table[:batch], bucket.ids.device
+        drafts, out = [bucket.ids], bucket.tails[:, :1]  # module 0's output at the seed
+        self.tokens[0, :batch].copy_(bucket.ids)
+        for step in range(1, steps + 1):
+            module = head.module_for_step(step)
+            active = (bucket.steps >= step)[:, None]
+            if module == step:  # fresh: the drafts so far, with module m-1's tail, then its outputs
+                rows = step
+                ids = torch.stack(drafts, dim=1)
+                hidden = bucket.tails[:, step - 1 : step]
+                hidden = hidden if step == 1 else torch.cat([hidden, out], dim=1)
+                offsets = torch.arange(step, device=device)
+                pos = torch.where(active, bucket.base[:, None] + 1 + offsets, offsets)
+            else:  # the last module again, one row: its own output at the previous position
+                rows, ids, hidden = 1, drafts[-1][:, None], out[:, -1:]
+                pos = torch.where(active, bucket.base[:, None] + step, 0)
+            page = table.gather(1, pos // ps)
             slots = torch.where(active, page * ps + pos % ps, dummy)
-            attention = AttentionBatch(query_start, pos + 1, slots, table, ps, 1, self.max_seq_len)
+            query_start = self.query_start[: batch + 1] * rows
+            attention = AttentionBatch(
+                query_start, pos[:, -1] + 1, slots.flatten(), table, ps, rows, self.max_seq_len
+            )
             ctx = self.backend.prepare(attention, self.kv_cache)
-            hidden, to_logits = head.run(module, ids, hidden, pos, ctx, from_target=False)
-            top, _ = self.top1(head.logits(module, to_logits))
-            ids = head.to_target_ids(top)
-            self.tokens[j + 1, :batch].copy_(ids)
+            hidden = hidden.flatten(0, 1).contiguous()  # a strided slice of the tails or outputs
+            flat, to_logits = head.run(module, ids.flatten(), hidden, pos.flatten(), ctx, from_target=False)
+            out = flat.view(batch, rows, -1)
+            top, _ = self.top1(head.logits(module, to_logits.view(batch, rows, -1)[:, -1]))
+            drafts.append(head.to_target_ids(top))
+            self.tokens[step, :batch].copy_(drafts[-1])
 
     # ---- the extend --------------------------------------------------------------------------
 

@@ -15,6 +15,10 @@ step i of a draft chain started at p - i would give it.
   tokens, module s-1's outputs its hidden states) and its KV is what an extend would have written;
   after that the last module is reused one row per step, fed its own previous output.
 
+- With CUDA graphs (`use_graphs`, specserve/spec/draft_graphs.py) a greedy chain runs in one graph
+  replay, and an extend over short feeds in another, whose greedy seeds stay on the device until
+  the chain reads them back with its drafts; batches they do not fit run the eager path above.
+
 - `skip_target` (a step with speculation off, adaptive speculation's plain decode) keeps the
   features instead (`Request.draft_backlog`, at most MAX_BACKLOG positions: then it extends over
   them at once); the next extend, or the catch-up at the start of the next draft, runs over the
@@ -103,14 +107,17 @@ class HeadDrafter(Drafter):
         self.backend = backend
         self.graphs: DraftGraphs | None = None  # CUDA graphs of the chain and the extend (`use_graphs`)
 
-    def use_graphs(self, batch_sizes: tuple[int, ...], num_steps: int, max_seq_len: int) -> None:
+    def use_graphs(
+        self, batch_sizes: tuple[int, ...], chain_steps: int, depth: int, max_seq_len: int
+    ) -> None:
         """Draft through CUDA graphs (captured now on CUDA; the same static buffers run eagerly on
-        the CPU): chains of up to `num_steps` drafts and extends over up to num_steps + 1 tokens, for
-        batches up to the largest of `batch_sizes`."""
+        the CPU): chains of up to `chain_steps` drafts (0: no chain graphs) and extends over up to
+        `depth` + 1 tokens (an accepted chain or tree path and its bonus token), for batches up to
+        the largest of `batch_sizes`."""
         first = self.head.spec
         fc = getattr(self.head.step_modules[0], "fc", None)
         features = fc.in_features if first.method == "eagle3" else first.arch.hidden_size
-        shapes = DraftGraphShapes(batch_sizes, max(num_steps - self.num_modules, 0), (num_steps + 1,))
+        shapes = DraftGraphShapes(batch_sizes, max(chain_steps - 1, 0), (depth + 1,))
         self.graphs = DraftGraphs(self.head, self.backend, self.kv_cache, shapes, max_seq_len, features)
 
     # ---- draft extend ----------------------------------------------------------------------
@@ -255,8 +262,8 @@ class HeadDrafter(Drafter):
         """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
         self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
-        if self.num_modules == 1 and self._graph_fits(chains, 1):  # the seeds may still be on the device
-            self._draft_graphed(chains, 1, None)
+        if self._graph_fits(chains):  # the seeds may still be on the device
+            self._draft_graphed(chains)
             return
         for req, _ in chains:
             state: HeadState = req.draft_state
@@ -266,48 +273,36 @@ class HeadDrafter(Drafter):
         outputs = {id(r): r.draft_state.tails[:1] for r, _ in chains}
         step = 1
         while chains := [(r, k) for r, k in chains if k > step]:
-            if step == self.num_modules and self._graph_fits(chains, step):
-                self._draft_graphed(chains, step, outputs)
-                break
             self._draft_step([r for r, _ in chains], step, outputs)
             step += 1
         for req, _ in zip(reqs, budgets, strict=True):
             if isinstance(req.draft_probs, list):
                 req.draft_probs = torch.stack(req.draft_probs)
 
-    def _graph_fits(self, chains: list[tuple[Request, int]], step: int) -> bool:
-        """The chain graphs can run steps `step ...` of these chains (greedy ones only)."""
+    def _graph_fits(self, chains: list[tuple[Request, int]]) -> bool:
+        """The chain graphs can draft these chains (greedy ones only)."""
         graphs = self.graphs
         return (
             graphs is not None
             and bool(chains)
-            and graphs.fits_chain(len(chains), max(k for _, k in chains) - step)
+            and graphs.fits_chain(len(chains), max(k for _, k in chains) - 1)
             and all(r.params.greedy for r, _ in chains)
         )
 
-    def _draft_graphed(
-        self,
-        chains: list[tuple[Request, int]],
-        step: int,
-        outputs: dict[int, torch.Tensor] | None,
-    ) -> None:
-        """Steps `step ...` of each chain (all of them reuse the last module) in one graph replay.
-        `outputs` None: step 1 of one-module heads, from the extend's seeds and tails (the seeds are
-        read with the drafts)."""
+    def _draft_graphed(self, chains: list[tuple[Request, int]]) -> None:
+        """Every chain in one graph replay, from the extend's seeds and tails (the seeds, where they
+        are still on the device, are read back with the drafts)."""
         reqs = [r for r, _ in chains]
         states: list[HeadState] = [r.draft_state for r in reqs]
-        if outputs is None:
-            tokens, hidden = _seed_tokens(states, self.device), [s.tails[:1] for s in states]
-        else:
-            tokens, hidden = [r.draft[-1] for r in reqs], [outputs[id(r)][-1:] for r in reqs]
         drafts = self.graphs.run_chain(
-            reqs, tokens, hidden, [s.position + step for s in states], [k - step for _, k in chains]
+            reqs,
+            _seed_tokens(states, self.device),
+            [s.tails for s in states],
+            [s.position for s in states],
+            [k - 1 for _, k in chains],
         )
         for req, chain in zip(reqs, drafts, strict=True):
-            if outputs is None:
-                req.draft, req.draft_probs = chain, None
-            else:
-                req.draft.extend(chain[1:])
+            req.draft, req.draft_probs = chain, None
 
     def _draft_step(self, reqs: list[Request], step: int, outputs: dict[int, torch.Tensor]) -> None:
         module = self.head.module_for_step(step)
