@@ -84,6 +84,7 @@ class Shadow:
         self.counts = {"draft": 0, "after_target": 0}
         self.tokens = self.matched = 0
         self.device_seeds = 0  # chain replays whose first tokens came straight from the extend
+        self.split = 0  # drafts whose greedy chains were graphed beside eager sampling ones
         self.chain_batches: list[tuple[int, tuple[int, ...]]] = []  # (requests, budgets) graphed
         for name in self.counts:
             setattr(drafter, name, self._wrap(name, getattr(drafter, name)))
@@ -120,7 +121,10 @@ class Shadow:
             for r, state in zip(reqs, saved, strict=True):
                 _restore(r, state)
             self.drafter.graphs = self.graphs
+            graphed = len(self.chain_batches)
             method(reqs_or_feeds, *args)
+            sampling = any(not r.params.greedy and r.draft for r in reqs)
+            self.split += name == "draft" and sampling and len(self.chain_batches) > graphed
             self.counts[name] += 1
             self._compare(eager, [_request_state(r) for r in reqs], eager_kv)
 
@@ -189,14 +193,15 @@ def _restore(req, state: dict) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_graphed_drafts_equal_eager(small_vocab_target, heads, method, temperature):
     """Graphed draft chains and extends equal eager ones, call by call, in padded buckets: greedy
-    batches through the chain graphs (with mixed budgets), batches with sampling rows through the
-    extend graphs only (their chains stay eager, their q rows the same)."""
+    chains through the chain graphs (with mixed budgets), sampling ones eagerly beside them (their
+    q rows the same)."""
     llm = _llm(small_vocab_target, method, heads[method])
     shadow = Shadow(llm.engine.drafter)
     outs = llm.generate(_prompts(3), _params(3, temperature))
     assert shadow.counts["draft"] > 5 and shadow.counts["after_target"] > 5
     assert {n for n, _ in shadow.extends} & {1, 3}, "no extend padded to a bucket"
     if temperature > 0:  # accepted drafts: extends over several tokens, graphed
+        assert shadow.split > 0
         assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
         assert max(longest for _, longest in shadow.extends) > 1
     assert {n for n, _ in shadow.chain_batches} & {1, 3}, "no chain padded to a bucket"

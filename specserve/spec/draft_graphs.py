@@ -16,8 +16,8 @@ sync.
   to the next, with no host sync; the host reads every draft once at the end. A request with fewer
   steps than the batch's most turns, for its extra steps, into a pad row (positions from 0, KV to
   the dummy slot: its reserved pages end with its own budget; outputs ignored). Pad rows have an
-  all-zero page table, so they read and write the dummy page only. Greedy batches only: a batch
-  with sampling rows drafts eagerly (its noise and q must stay exactly `choose_drafts`').
+  all-zero page table, so they read and write the dummy page only. Greedy chains only: the
+  sampling chains of a batch draft eagerly beside them (their noise and q stay `choose_drafts`').
 - **Extend** (`run_extend`), per (batch bucket, query len): `HeadDrafter.after_target`'s forward
   over every module for feeds of at most that many tokens (a joined backlog or a prefill is
   longer: eager), padded as a target step is (`build_draft_input(pad=...)`: pad tokens at position

@@ -262,9 +262,13 @@ class HeadDrafter(Drafter):
         """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
         self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
-        if self._graph_fits(chains):  # the seeds may still be on the device
-            self._draft_graphed(chains)
-            return
+        # Greedy chains in the graphs (their seeds may still be on the device); sampling ones eagerly
+        # beside them: every row's draft depends on its own inputs only, and the sampling filters
+        # `choose_drafts` picks depend on the sampling rows alone, so the split changes nothing.
+        greedy = [(r, k) for r, k in chains if r.params.greedy]
+        if self._graph_fits(greedy):
+            self._draft_graphed(greedy)
+            chains = [(r, k) for r, k in chains if not r.params.greedy]
         for req, _ in chains:
             state: HeadState = req.draft_state
             req.draft = [state.first_draft()]
