@@ -19,7 +19,7 @@ from specserve.attention.backend import AttentionBackend
 from specserve.attention.flash_backend import flash_attention_backend
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.attention.triton_backend import TritonAttentionBackend
-from specserve.config import CacheConfig, EngineConfig
+from specserve.config import CacheConfig, EngineConfig, SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.cost_profile import profile_step_costs
 from specserve.engine.host_copy import to_device
@@ -46,6 +46,7 @@ from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import LoadedModel, load_model
 from specserve.model.parallel import NO_TP, TPInfo, head_shard
 from specserve.spec.adaptive import configured_tiers
+from specserve.spec.draft_graphs import draft_graphs_enabled
 from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
@@ -106,6 +107,9 @@ class Engine:
         self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs, self.states)
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
+        if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
+            chain, depth = _draft_depths(config.speculative)
+            self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len)
         self._overlap = config.use_overlap() and self.drafter is None
         # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
         # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
@@ -857,6 +861,13 @@ def _stop_ids(req: Request) -> frozenset[int]:
     if not req.params.ignore_eos:
         ids |= req.eos_token_ids
     return frozenset(ids)
+
+
+def _draft_depths(spec: SpeculativeConfig) -> tuple[int, int]:
+    """The longest chain (0: none) and the deepest draft, chain or tree, of any shape `spec` may run."""
+    tiers = configured_tiers(spec) if spec.adaptive is not None else ()
+    shapes = [(spec.num_steps, spec.topk), *((t.num_steps, t.topk) for t in tiers if not t.off)]
+    return max((n for n, k in shapes if k == 1), default=0), max(n for n, _ in shapes)
 
 
 def _configured_settings(config: EngineConfig) -> SpecSettings:

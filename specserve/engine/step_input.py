@@ -420,25 +420,34 @@ class DraftInput:
     positions: torch.Tensor
     attention: AttentionBatch
     last_rows: torch.Tensor  # [B] the row of each request's last fed token
+    packed: torch.Tensor | None = None  # the flat buffer the tensors above view (graph_head_size first)
+    extra: tuple[torch.Tensor, ...] = ()  # the caller's `extra` arrays, on the device
 
 
 def build_draft_input(
-    feeds: list[tuple[Request, int, list[int]]], page_size: int, device: torch.device
+    feeds: list[tuple[Request, int, list[int]]],
+    page_size: int,
+    device: torch.device,
+    pad: tuple[int, int] | None = None,
+    extra: Sequence[np.ndarray] = (),
 ) -> DraftInput:
     """Inputs for a drafter's own forward over (request, start position, tokens) — catch-up or one
-    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages."""
+    draft step. The drafter's KV cache shares the target's page layout, so slots come from the same pages.
+    `pad` (batch, query len): padded as a target step to a CUDA-graph bucket (a drafter's graphs,
+    specserve/spec/draft_graphs.py); `extra`: more int arrays to copy in the same transfer."""
     ids = [t for _, _, tokens in feeds for t in tokens]
     query_lens = [len(tokens) for _, _, tokens in feeds]
-    input_ids, pos, attention, (last,), _, _ = _batch_tensors(
+    input_ids, pos, attention, (last, *more), packed, _ = _batch_tensors(
         [req for req, _, _ in feeds],
         [start for _, start, _ in feeds],
         query_lens,
         ids,
-        [np.cumsum(query_lens) - 1],
+        [np.cumsum(query_lens) - 1, *extra],
         page_size,
         device,
+        pad,
     )
-    return DraftInput(input_ids, pos, attention, last)
+    return DraftInput(input_ids, pos, attention, last, packed, tuple(more))
 
 
 def build_forest_input(

@@ -15,6 +15,10 @@ step i of a draft chain started at p - i would give it.
   tokens, module s-1's outputs its hidden states) and its KV is what an extend would have written;
   after that the last module is reused one row per step, fed its own previous output.
 
+- With CUDA graphs (`use_graphs`, specserve/spec/draft_graphs.py) a greedy chain runs in one graph
+  replay, and an extend over short feeds in another, whose greedy seeds stay on the device until
+  the chain reads them back with its drafts; batches they do not fit run the eager path above.
+
 - `skip_target` (a step with speculation off, adaptive speculation's plain decode) keeps the
   features instead (`Request.draft_backlog`, at most MAX_BACKLOG positions: then it extends over
   them at once); the next extend, or the catch-up at the start of the next draft, runs over the
@@ -34,6 +38,7 @@ boundary are unknown and taken as zero: that costs acceptance, never correctness
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +50,7 @@ from specserve.engine.kv_cache import KVCache
 from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input, build_forest_input
 from specserve.model.draft_heads import DraftHead
+from specserve.spec.draft_graphs import DeviceTokens, DraftGraphs, DraftGraphShapes
 from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
@@ -61,6 +67,16 @@ class HeadState:
     token: int | None = None  # the first draft (None when the request will not decode next)
     q: torch.Tensor | None = None  # [V] its distribution, for sampling requests
     logits: torch.Tensor | None = None  # [V_draft] the draft logits it came from (trees start there)
+    # With draft graphs, a greedy first draft stays on the device until read: row `seed_row` of it.
+    seeds: DeviceTokens | None = None
+    seed_row: int = 0
+
+    @property
+    def seeded(self) -> bool:
+        return self.token is not None or self.seeds is not None
+
+    def first_draft(self) -> int:
+        return self.token if self.token is not None else self.seeds.host()[self.seed_row]
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,20 @@ class HeadDrafter(Drafter):
         self.device, self.dtype = weight.device, weight.dtype
         self.kv_cache = KVCache.allocate(head.spec.arch, num_pages, page_size, self.dtype, self.device)
         self.backend = backend
+        self.graphs: DraftGraphs | None = None  # CUDA graphs of the chain and the extend (`use_graphs`)
+
+    def use_graphs(
+        self, batch_sizes: tuple[int, ...], chain_steps: int, depth: int, max_seq_len: int
+    ) -> None:
+        """Draft through CUDA graphs (captured now on CUDA; the same static buffers run eagerly on
+        the CPU): chains of up to `chain_steps` drafts (0: no chain graphs) and extends over up to
+        `depth` + 1 tokens (an accepted chain or tree path and its bonus token), for batches up to
+        the largest of `batch_sizes`."""
+        first = self.head.spec
+        fc = getattr(self.head.step_modules[0], "fc", None)
+        features = fc.in_features if first.method == "eagle3" else first.arch.hidden_size
+        shapes = DraftGraphShapes(batch_sizes, max(chain_steps - 1, 0), (depth + 1,))
+        self.graphs = DraftGraphs(self.head, self.backend, self.kv_cache, shapes, max_seq_len, features)
 
     # ---- draft extend ----------------------------------------------------------------------
 
@@ -149,6 +179,17 @@ class HeadDrafter(Drafter):
         feeds = [f for f in feeds if f.tokens]
         if not feeds:
             return
+        graphs = self.graphs
+        if graphs is not None and graphs.extend_bucket(len(feeds), max(len(f.tokens) for f in feeds)):
+            previous = self._previous_tails(feeds, slice(0, -1)) if self.num_modules > 1 else None
+            out = graphs.run_extend(
+                [(f.request, f.start, f.tokens) for f in feeds],
+                features,
+                [r for f in feeds for r in f.rows],
+                previous,
+            )
+            self._store(feeds, out.tails, lambda index: out.logits.index_select(0, index))
+            return
         inp = build_draft_input([(f.request, f.start, f.tokens) for f in feeds], self.page_size, self.device)
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
         rows = to_device(torch.tensor([r for f in feeds for r in f.rows]), features.device)
@@ -165,11 +206,14 @@ class HeadDrafter(Drafter):
             if i == 0:
                 seed_hidden = to_logits.index_select(0, last)
         stacked = torch.stack(tails, dim=1)  # [B, k, H]
-        self._store(feeds, stacked, seed_hidden)
+        self._store(feeds, stacked, lambda index: self.head.logits(0, seed_hidden.index_select(0, index)))
 
-    def _previous_tails(self, feeds: list[TargetFeed], module: int) -> torch.Tensor:
-        """Module `module`'s output just before each feed's first position (zero where unknown)."""
+    def _previous_tails(self, feeds: list[TargetFeed], module: int | slice) -> torch.Tensor:
+        """Module `module`'s output (or those of a slice of modules) just before each feed's first
+        position (zero where unknown)."""
         zero = torch.zeros(self.head.spec.arch.hidden_size, dtype=self.dtype, device=self.device)
+        if isinstance(module, slice):
+            zero = zero.expand(len(range(self.num_modules)[module]), -1)
         rows = []
         for f in feeds:
             state: HeadState | None = f.request.draft_state
@@ -177,15 +221,26 @@ class HeadDrafter(Drafter):
             rows.append(state.tails[module] if known else zero)
         return torch.stack(rows)
 
-    def _store(self, feeds: list[TargetFeed], tails: torch.Tensor, seed_hidden: torch.Tensor) -> None:
+    def _store(
+        self,
+        feeds: list[TargetFeed],
+        tails: torch.Tensor,
+        seed_logits: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Each feed's state: `tails` [B, k, H]; `seed_logits(index)`: module 0's draft logits at the
+        last rows of feeds `index` (those that seed a draft)."""
         seeded = [b for b, f in enumerate(feeds) if f.seed]
-        tokens, q, logits = [], None, None
+        tokens, q, logits, seeds = [], None, None, None
         if seeded:
             index = to_device(torch.tensor(seeded), self.device)
-            logits = self.head.logits(0, seed_hidden.index_select(0, index))
+            logits = seed_logits(index)
             reqs = [feeds[b].request for b in seeded]
-            counters = [feeds[b].next_output for b in seeded]
-            tokens, q = self._choose(logits, reqs, counters)
+            if self.graphs is not None and all(r.params.greedy for r in reqs):
+                # Read with the chain's drafts (one host sync a round), or when first needed.
+                seeds = DeviceTokens(self.graphs.greedy_tokens(logits))
+            else:
+                counters = [feeds[b].next_output for b in seeded]
+                tokens, q = self._choose(logits, reqs, counters)
         by_feed = dict(zip(seeded, range(len(seeded)), strict=True))
         for b, f in enumerate(feeds):
             req, j = f.request, by_feed.get(b)
@@ -193,9 +248,11 @@ class HeadDrafter(Drafter):
             req.draft_state = HeadState(
                 position=f.start + len(f.tokens) - 1,
                 tails=tails[b],
-                token=tokens[j] if j is not None else None,
+                token=tokens[j] if j is not None and seeds is None else None,
                 q=sampled_q,
                 logits=logits[j] if j is not None else None,
+                seeds=seeds if j is not None else None,
+                seed_row=j or 0,
             )
             req.draft_computed = f.start + len(f.tokens)
 
@@ -205,9 +262,16 @@ class HeadDrafter(Drafter):
         """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
         self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
+        # Greedy chains in the graphs (their seeds may still be on the device); sampling ones eagerly
+        # beside them: every row's draft depends on its own inputs only, and the sampling filters
+        # `choose_drafts` picks depend on the sampling rows alone, so the split changes nothing.
+        greedy = [(r, k) for r, k in chains if r.params.greedy]
+        if self._graph_fits(greedy):
+            self._draft_graphed(greedy)
+            chains = [(r, k) for r, k in chains if not r.params.greedy]
         for req, _ in chains:
             state: HeadState = req.draft_state
-            req.draft = [state.token]
+            req.draft = [state.first_draft()]
             req.draft_probs = [state.q] if state.q is not None else None
         # request -> the previous step's outputs, one per row it ran (step 0: module 0 at the seed)
         outputs = {id(r): r.draft_state.tails[:1] for r, _ in chains}
@@ -218,6 +282,31 @@ class HeadDrafter(Drafter):
         for req, _ in zip(reqs, budgets, strict=True):
             if isinstance(req.draft_probs, list):
                 req.draft_probs = torch.stack(req.draft_probs)
+
+    def _graph_fits(self, chains: list[tuple[Request, int]]) -> bool:
+        """The chain graphs can draft these chains (greedy ones only)."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and bool(chains)
+            and graphs.fits_chain(len(chains), max(k for _, k in chains) - 1)
+            and all(r.params.greedy for r, _ in chains)
+        )
+
+    def _draft_graphed(self, chains: list[tuple[Request, int]]) -> None:
+        """Every chain in one graph replay, from the extend's seeds and tails (the seeds, where they
+        are still on the device, are read back with the drafts)."""
+        reqs = [r for r, _ in chains]
+        states: list[HeadState] = [r.draft_state for r in reqs]
+        drafts = self.graphs.run_chain(
+            reqs,
+            _seed_tokens(states, self.device),
+            [s.tails for s in states],
+            [s.position for s in states],
+            [k - 1 for _, k in chains],
+        )
+        for req, chain in zip(reqs, drafts, strict=True):
+            req.draft, req.draft_probs = chain, None
 
     def _draft_step(self, reqs: list[Request], step: int, outputs: dict[int, torch.Tensor]) -> None:
         module = self.head.module_for_step(step)
@@ -322,7 +411,18 @@ class HeadDrafter(Drafter):
 
 def _has_seed(req: Request) -> bool:
     state = req.draft_state
-    return isinstance(state, HeadState) and state.token is not None and state.position == req.num_computed - 1
+    return isinstance(state, HeadState) and state.seeded and state.position == req.num_computed - 1
+
+
+def _seed_tokens(states: list[HeadState], device: torch.device) -> list[int] | torch.Tensor:
+    """The first drafts of these states: on the device where one extend left them all there."""
+    seeds = states[0].seeds
+    if seeds is None or any(s.seeds is not seeds for s in states):
+        return [s.first_draft() for s in states]
+    rows = [s.seed_row for s in states]
+    if rows == list(range(seeds.ids.shape[0])):
+        return seeds.ids
+    return seeds.ids.index_select(0, to_device(torch.tensor(rows), device))
 
 
 def _shift_in(out: torch.Tensor, previous: torch.Tensor, first_rows: np.ndarray, device) -> torch.Tensor:

@@ -1,0 +1,370 @@
+"""CUDA graphs of a hidden-state head's drafting: the draft chain and the draft extend.
+
+Eagerly, each head forward costs far more host time (operator dispatch, input building, a `.tolist()`
+per step) than device time; with these graphs a greedy round's drafting is two replays and one host
+sync.
+
+- **Chain** (`run_chain`), per (batch bucket, steps): steps 1 .. budget-1 of every request's chain
+  after the extend's first draft, as `HeadDrafter._draft_step` runs them: step s runs module
+  m = min(s, k-1), over the s positions since the extend while m is new to the chain (MTP's
+  "fresh" steps: the drafts so far paired with module m-1's tail and outputs), else over the newest
+  position, fed its own previous output (EAGLE / EAGLE-3: every step). The host fills the first
+  draft (straight from the extend's device output when it left it there: `DeviceTokens`), the
+  tails, the newest extended position, the steps and the page table into static buffers; each step
+  computes its positions, KV slots and context lengths on the device, runs the module and its
+  logits, takes the argmax (`draft_top1`, then `to_target_ids`) and feeds tokens and hidden states
+  to the next, with no host sync; the host reads every draft once at the end. A request with fewer
+  steps than the batch's most turns, for its extra steps, into a pad row (positions from 0, KV to
+  the dummy slot: its reserved pages end with its own budget; outputs ignored). Pad rows have an
+  all-zero page table, so they read and write the dummy page only. Greedy chains only: the
+  sampling chains of a batch draft eagerly beside them (their noise and q stay `choose_drafts`').
+- **Extend** (`run_extend`), per (batch bucket, query len): `HeadDrafter.after_target`'s forward
+  over every module for feeds of at most that many tokens (a joined backlog or a prefill is
+  longer: eager), padded as a target step is (`build_draft_input(pad=...)`: pad tokens at position
+  0 writing the dummy slot, pad requests with no tokens). Module i > 0 pairs each token with module
+  i-1's output one position back through a host-computed shift index into [previous tails;
+  outputs]. Out come every module's tail and module 0's logits at each feed's last row; the seed is
+  chosen from them (greedy: on the device, `greedy_tokens`).
+
+Graphs are captured largest first into one memory pool of their own (never the target's: its
+outputs are still read after the extend). The attention's key-split count is fixed at capture for
+the longest context. Outputs live in the pool: what outlives the next replay is copied out. Without
+CUDA the same static buffers and padding run eagerly, so the CPU tests cover the logic (rows of a
+padded bucket may round differently from an eager batch's in matmuls, never in tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.backend import AttentionBackend, AttentionBatch
+from specserve.engine.host_copy import to_device
+from specserve.engine.kv_cache import DUMMY_PAGE, KVCache
+from specserve.engine.request import Request
+from specserve.engine.step_input import build_draft_input, graph_head_size
+from specserve.model.draft_heads import DraftHead
+from specserve_kernels import use_triton
+from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
+
+# SPECSERVE_DRAFT_GRAPHS=0 drafts eagerly even where the target's steps run in CUDA graphs (to time both).
+DRAFT_GRAPHS_ENV = "SPECSERVE_DRAFT_GRAPHS"
+
+
+def draft_graphs_enabled() -> bool:
+    return os.environ.get(DRAFT_GRAPHS_ENV, "1") != "0"
+
+
+@dataclass(frozen=True)
+class DraftGraphShapes:
+    """What a head drafter's graphs cover."""
+
+    batch_sizes: tuple[int, ...]  # ascending, the target's graph batch buckets
+    chain_steps: int  # most chain steps after the first draft one round runs (0: no chain graphs)
+    extend_lens: tuple[int, ...]  # ascending query lens of extend buckets (() : none)
+
+    def batch(self, batch: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= batch), None)
+
+
+class DeviceTokens:
+    """Draft tokens left on the device (a graphed extend's greedy seeds), read to the host once, when
+    first needed: a chain graph takes them as its first inputs and reads them back with its drafts."""
+
+    __slots__ = ("ids", "_host")
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self._host: list[int] | None = None
+
+    def host(self) -> list[int]:
+        if self._host is None:
+            self._host = self.ids.tolist()
+        return self._host
+
+
+@dataclass(frozen=True)
+class ExtendOutputs:
+    """Per feed (the first B rows are real): each module's output at its last token [B, k, H], and
+    module 0's draft logits there [B, V_draft]."""
+
+    tails: torch.Tensor
+    logits: torch.Tensor
+
+
+class _ChainBucket:
+    """The static inputs of chain graphs of one batch size: each row's first draft, its newest
+    extended position, the steps it runs, and its modules' tails there."""
+
+    def __init__(
+        self, batch: int, modules: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.head = torch.zeros(3 * batch, dtype=torch.int64, device=device)
+        self.ids, self.base, self.steps = self.head.split(batch)
+        self.tails = torch.zeros(batch, modules, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+
+class _ExtendBucket:
+    """The static inputs and outputs of one extend bucket."""
+
+    def __init__(
+        self,
+        batch: int,
+        query_len: int,
+        page_table: torch.Tensor,
+        page_size: int,
+        max_seq_len: int,
+        features: torch.Tensor,
+    ) -> None:
+        device = page_table.device
+        tokens = batch * query_len
+        self.batch, self.query_len = batch, query_len
+        self.head = torch.zeros(graph_head_size(tokens, batch), dtype=torch.int64, device=device)
+        ids, positions, slots, query_start, seq_lens = self.head.split([tokens] * 3 + [batch + 1, batch])
+        query_start.copy_(torch.arange(batch + 1) * query_len)  # until the first run: the dummy page
+        seq_lens.fill_(query_len)
+        self.ids, self.positions = ids, positions
+        # Each feed's last row, and each row's source in [previous tails (batch rows); outputs].
+        self.rows = torch.zeros(batch + tokens, dtype=torch.int64, device=device)
+        self.last, self.shift = self.rows.split([batch, tokens])
+        self.features = features[:tokens]  # the target features of its rows (shared by all buckets)
+        self.attention = AttentionBatch(
+            query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: ExtendOutputs | None = None
+
+
+class DraftGraphs:
+    """A `HeadDrafter`'s graphs (captured at construction on CUDA); `run_chain` and `run_extend`."""
+
+    def __init__(
+        self,
+        head: DraftHead,
+        backend: AttentionBackend,
+        kv_cache: KVCache,
+        shapes: DraftGraphShapes,
+        max_seq_len: int,
+        feature_size: int,
+    ) -> None:
+        self.head, self.backend, self.kv_cache, self.shapes = head, backend, kv_cache, shapes
+        self.max_seq_len, self.page_size = max_seq_len, kv_cache.page_size
+        self.num_modules = len(head.step_modules)
+        weight = next(head.parameters())
+        device, dtype = weight.device, weight.dtype
+        hidden = head.spec.arch.hidden_size
+        most = max(shapes.batch_sizes)
+        self.page_table = torch.zeros(
+            most, -(-max_seq_len // self.page_size), dtype=torch.int64, device=device
+        )
+        self.query_start = torch.arange(most + 1, dtype=torch.int64, device=device)  # one row a request
+        # Each chain graph's drafts, after a first row holding its input tokens.
+        self.tokens = torch.zeros(shapes.chain_steps + 1, most, dtype=torch.int64, device=device)
+        self.chain = (
+            {b: _ChainBucket(b, self.num_modules, hidden, dtype, device) for b in shapes.batch_sizes}
+            if shapes.chain_steps > 0
+            else {}
+        )
+        # Module outputs just before each feed (modules 0 .. k-2), for modules 1 .. k-1 of the extend.
+        self.previous = torch.zeros(most, max(self.num_modules - 1, 1), hidden, dtype=dtype, device=device)
+        rows = most * max(shapes.extend_lens, default=0)
+        features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
+        self.extend = {
+            (b, q): _ExtendBucket(b, q, self.page_table, self.page_size, max_seq_len, features)
+            for q in shapes.extend_lens
+            for b in shapes.batch_sizes
+        }
+        self.top1 = draft_top1 if use_triton(device) else draft_top1_ref
+        self.captured = device.type == "cuda"
+        if self.captured:
+            self._capture_all()
+
+    # ---- the chain ---------------------------------------------------------------------------
+
+    def fits_chain(self, batch: int, steps: int) -> bool:
+        return 0 < steps <= self.shapes.chain_steps and self.shapes.batch(batch) is not None
+
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy draft (target ids) of rows of draft logits, left on the device (no sync)."""
+        return self.head.to_target_ids(self.top1(logits)[0])
+
+    def run_chain(
+        self,
+        reqs: Sequence[Request],
+        tokens: Sequence[int] | torch.Tensor,
+        tails: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        steps: Sequence[int],
+    ) -> list[list[int]]:
+        """Greedy chain steps 1 .. steps[i] of request i, from its extend's state: its first draft
+        `tokens[i]` (host ints, or a device tensor), each module's tail `tails[i]` ([k, H]) at its
+        newest extended position `positions[i]`. The KV slots of every position it drafts must be
+        held. Returns each request's first draft followed by the new ones."""
+        n, most = len(reqs), max(steps)
+        batch = self.shapes.batch(n)
+        bucket = self.chain[batch]
+        ends = [p + s + 1 for p, s in zip(positions, steps, strict=True)]
+        table = _page_table(reqs, ends, self.page_size, batch)
+        head = np.zeros((3, batch), dtype=np.int64)
+        on_device = isinstance(tokens, torch.Tensor)
+        head[1, :n], head[2, :n] = positions, steps
+        if not on_device:
+            head[0, :n] = tokens
+        packed = to_device(
+            torch.from_numpy(np.concatenate([head.ravel(), table.ravel()])), bucket.head.device
+        )
+        bucket.head.copy_(packed[: 3 * batch])
+        if on_device:
+            bucket.ids[:n].copy_(tokens)
+        self.page_table[:batch, : table.shape[1]].copy_(packed[3 * batch :].view(table.shape))
+        torch.stack(list(tails), out=bucket.tails[:n])
+        if self.captured:
+            bucket.graphs[most].replay()
+        else:
+            self._chain_forward(bucket, batch, most)
+        drafts = self.tokens[: most + 1, :n].t().tolist()  # the round's one host sync
+        return [row[: s + 1] for row, s in zip(drafts, steps, strict=True)]
+
+    @torch.inference_mode()
+    def _chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
+        """Steps 1 .. `steps` as `HeadDrafter._draft_step` runs them, every row in each: step s runs
+        module m = min(s, k-1), over the s positions since the extend while m is new to the chain
+        (fresh), else over the newest one. A row past its own steps turns into a pad row (positions
+        from 0, KV to the dummy slot) and its outputs are ignored."""
+        head, ps, dummy = self.head, self.page_size, DUMMY_PAGE * self.page_size
+        table, device = self.page_table[:batch], bucket.ids.device
+        drafts, out = [bucket.ids], bucket.tails[:, :1]  # module 0's output at the seed
+        self.tokens[0, :batch].copy_(bucket.ids)
+        for step in range(1, steps + 1):
+            module = head.module_for_step(step)
+            active = (bucket.steps >= step)[:, None]
+            if module == step:  # fresh: the drafts so far, with module m-1's tail, then its outputs
+                rows = step
+                ids = torch.stack(drafts, dim=1)
+                hidden = bucket.tails[:, step - 1 : step]
+                hidden = hidden if step == 1 else torch.cat([hidden, out], dim=1)
+                offsets = torch.arange(step, device=device)
+                pos = torch.where(active, bucket.base[:, None] + 1 + offsets, offsets)
+            else:  # the last module again, one row: its own output at the previous position
+                rows, ids, hidden = 1, drafts[-1][:, None], out[:, -1:]
+                pos = torch.where(active, bucket.base[:, None] + step, 0)
+            page = table.gather(1, pos // ps)
+            slots = torch.where(active, page * ps + pos % ps, dummy)
+            query_start = self.query_start[: batch + 1] * rows
+            attention = AttentionBatch(
+                query_start, pos[:, -1] + 1, slots.flatten(), table, ps, rows, self.max_seq_len
+            )
+            ctx = self.backend.prepare(attention, self.kv_cache)
+            hidden = hidden.flatten(0, 1).contiguous()  # a strided slice of the tails or outputs
+            flat, to_logits = head.run(module, ids.flatten(), hidden, pos.flatten(), ctx, from_target=False)
+            out = flat.view(batch, rows, -1)
+            top, _ = self.top1(head.logits(module, to_logits.view(batch, rows, -1)[:, -1]))
+            drafts.append(head.to_target_ids(top))
+            self.tokens[step, :batch].copy_(drafts[-1])
+
+    # ---- the extend --------------------------------------------------------------------------
+
+    def extend_bucket(self, batch: int, max_len: int) -> tuple[int, int] | None:
+        b = self.shapes.batch(batch)
+        q = next((q for q in self.shapes.extend_lens if q >= max_len), None)
+        return None if b is None or q is None else (b, q)
+
+    def run_extend(
+        self,
+        feeds: list[tuple[Request, int, list[int]]],
+        features: torch.Tensor,
+        rows: Sequence[int],
+        previous: torch.Tensor | None,
+    ) -> ExtendOutputs:
+        """The extend's forward over (request, start, tokens) feeds that fit a bucket: the feeds'
+        tokens pair with `features` rows `rows` (in order), module i > 0 with `previous[:, i-1]`
+        ([B, k-1, H]: module i-1's output before each feed) at a feed's first token. The tails are
+        a copy; the logits a view of the graph's output (select the rows wanted before the next
+        replay)."""
+        n, lens = len(feeds), [len(t) for _, _, t in feeds]
+        batch, query_len = self.extend_bucket(n, max(lens))
+        graph = self.extend[(batch, query_len)]
+        tokens = batch * query_len
+        first = np.cumsum([0, *lens[:-1]])
+        last = np.zeros(batch, dtype=np.int64)
+        last[:n] = first + np.asarray(lens) - 1
+        shift = np.arange(tokens, dtype=np.int64) - 1 + batch
+        shift[first] = np.arange(n)
+        inp = build_draft_input(
+            feeds, self.page_size, graph.head.device, (batch, query_len), [last, shift, np.asarray(rows)]
+        )
+        # The packed buffer: the graph's head, the page table, the n last rows, then `last`, `shift`.
+        head_size = graph.head.shape[0]
+        graph.head.copy_(inp.packed[:head_size])
+        table = inp.attention.page_table
+        self.page_table[:batch, : table.shape[1]].copy_(table)
+        start = head_size + table.numel() + n
+        graph.rows.copy_(inp.packed[start : start + graph.rows.shape[0]])
+        picked = features.index_select(0, inp.extra[2])
+        graph.features[: picked.shape[0]].copy_(picked)
+        if previous is not None:
+            self.previous[:n].copy_(previous)
+        if self.captured:
+            graph.graph.replay()
+            out = graph.outputs
+            return ExtendOutputs(out.tails[:n].clone(), out.logits[:n])
+        out = self._extend_forward(graph)
+        return ExtendOutputs(out.tails[:n], out.logits[:n])
+
+    @torch.inference_mode()
+    def _extend_forward(self, graph: _ExtendBucket) -> ExtendOutputs:
+        head = self.head
+        ctx = self.backend.prepare(graph.attention, self.kv_cache)
+        hidden, out, tails, seed = graph.features, None, [], None
+        previous = self.previous[: graph.batch]
+        for i in range(self.num_modules):
+            if out is not None:  # module i pairs each token with module i-1's output one position back
+                hidden = torch.cat([previous[:, i - 1], out]).index_select(0, graph.shift)
+            out, to_logits = head.run(i, graph.ids, hidden, graph.positions, ctx, from_target=i == 0)
+            tails.append(out.index_select(0, graph.last))
+            if i == 0:
+                seed = to_logits.index_select(0, graph.last)
+        return ExtendOutputs(torch.stack(tails, dim=1), head.logits(0, seed))
+
+    # ---- capture -----------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        jobs = [
+            (b * q, (lambda g=g: self._extend_forward(g)), g, None) for (b, q), g in self.extend.items()
+        ] + [
+            (b * n, (lambda c=c, b=b, n=n: self._chain_forward(c, b, n)), c, n)
+            for b, c in self.chain.items()
+            for n in range(1, self.shapes.chain_steps + 1)
+        ]
+        pool = None
+        for _, forward, owner, steps in sorted(jobs, key=lambda job: -job[0]):  # largest first
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # compiles the kernels off the graph
+                forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = forward()
+            pool = graph.pool()
+            if steps is None:
+                owner.graph, owner.outputs = graph, outputs
+            else:
+                owner.graphs[steps] = graph
+        torch.cuda.synchronize()
+
+
+def _page_table(reqs: Sequence[Request], ends: Sequence[int], page_size: int, batch: int) -> np.ndarray:
+    """[batch, pages] pages of each request up to position `ends[i]` (exclusive); pad rows all zero
+    (the dummy page)."""
+    widths = [-(-e // page_size) for e in ends]
+    table = np.zeros((batch, max(widths)), dtype=np.int64)
+    for row, (req, width) in enumerate(zip(reqs, widths, strict=True)):
+        pages = req.page_mirror.first(req.pages, width)
+        table[row, : len(pages)] = pages
+    return table
