@@ -27,10 +27,23 @@ RAY_FIXTURE = "ray_serve_url"
 _LAST_RAY_TEST = pytest.StashKey[str]()
 
 
+# Modules that run Ray (the shared instance, or `specserve serve` starting its own): under xdist they
+# share one worker, one after the other, so that two Ray instances never compete for the machine.
+RAY_MODULES = {"test_serve_ray.py", "test_serve_faults.py", "test_serve_cli.py", "test_dashboards.py"}
+# Two workers: the suite is mostly one Python thread at a time (CI's 2 cores were half idle).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     ray_tests = [item.nodeid for item in items if RAY_FIXTURE in getattr(item, "fixturenames", ())]
     if ray_tests:
         config.stash[_LAST_RAY_TEST] = ray_tests[-1]
+    if config.pluginmanager.hasplugin("xdist"):  # `--dist loadgroup`: a module stays on one worker
+        for item in items:
+            module = item.path.name
+            ray = module in RAY_MODULES or RAY_FIXTURE in getattr(item, "fixturenames", ())
+            item.add_marker(pytest.mark.xdist_group("ray" if ray else module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -43,8 +43,10 @@ def _make(loaded, **kwargs) -> LLM:
 def test_batch_invariance(loaded, prompts, page_size):
     llm = _make(loaded, page_size=page_size, max_total_tokens=4096, max_batched_tokens=96)
     batched = llm.generate(prompts, GREEDY)
-    for prompt, out in zip(prompts, batched, strict=True):
-        assert llm.generate([prompt], GREEDY)[0].token_ids == out.token_ids
+    # Alone, the shortest, the longest and a spread between them (all 16 alone cost CI a minute).
+    by_len = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for i in sorted({by_len[0], by_len[-1], *by_len[3::4]}):
+        assert llm.generate([prompts[i]], GREEDY)[0].token_ids == batched[i].token_ids
 
 
 def test_retract_when_kv_runs_short(loaded, prompts):
