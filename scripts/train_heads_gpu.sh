@@ -20,8 +20,8 @@
 #   time-slicing one GPU; WORKERS=1 GEN_BATCH=256 is the next thing to try.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
 #   KEEP_DATA=1: copy the answers (responses-W.npz, token ids only) to $OUT/data/, to carry to a later call.
-#   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) instead of
-#   generating; DATA_MINUTES then adds nothing.
+#   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) as well as on
+#   those generated now; DATA_MINUTES=0 generates none.
 #   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
 set -uo pipefail
 START=$SECONDS
@@ -68,11 +68,14 @@ left() { echo $((LIMIT - (SECONDS - START))); }
 [ -n "${GPU_TEST:-}" ] && python3 -P -m pytest -m gpu -q -p no:cacheprovider tests/test_train_draft.py
 
 RESPONSES=()
-if [ -n "${RESPONSES_IN:-}" ]; then
+if [ -n "${RESPONSES_IN:-}" ]; then  # answers carried from an earlier call, beside any made now
   IFS=, read -ra given <<<"$RESPONSES_IN"
-  for f in "${given[@]}"; do cp "$f" "$WORK/responses-${#RESPONSES[@]}.npz" && RESPONSES+=("$WORK/responses-${#RESPONSES[@]}.npz"); done
+  for f in "${given[@]}"; do
+    cp "$f" "$WORK/carried-${#RESPONSES[@]}.npz" && RESPONSES+=("$WORK/carried-${#RESPONSES[@]}.npz")
+  done
   echo "== data: ${#RESPONSES[@]} carried files"
-else
+fi
+if [ "$DATA_MINUTES" != "0" ]; then
   echo "== data: $WORKERS workers, ${DATA_MINUTES} min"
   PIDS=()
   for ((w = 0; w < WORKERS; w++)); do
@@ -85,7 +88,7 @@ else
 fi
 ALL=$(IFS=,; echo "${RESPONSES[*]}")
 echo "== data done at $((SECONDS - START))s"
-if [ -n "${KEEP_DATA:-}" ]; then mkdir -p "$OUT/data" && cp "${RESPONSES[@]}" "$OUT/data/"; fi
+if [ -n "${KEEP_DATA:-}" ]; then mkdir -p "$OUT/data" && cp "$WORK"/responses-*.npz "$OUT/data/"; fi
 
 for method in $METHODS; do
   case $method in
@@ -115,7 +118,7 @@ import numpy as np
 
 work, out, seconds = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 data = {"samples": 0, "tokens": 0, "answer_tokens": 0}
-for path in sorted(work.glob("responses-*.npz")):
+for path in sorted(work.glob("*.npz")):  # carried and generated answers
     with np.load(path) as f:
         data["samples"] += len(f["lengths"])
         data["tokens"] += int(f["lengths"].sum())
