@@ -271,11 +271,16 @@ def _check_app_metrics(url: str, app: str, prompt_ids: list[int]) -> str:
     families = _wait_for(url, lambda f: _replica_value(f, GENERATED, replica) is not None, replica)
     assert _replica_value(families, "specserve_replica_up", replica) == 1
     assert _replica_value(families, "specserve_spec_num_steps", replica) == 4
-    ingress = {s.labels["replica"] for s in families["specserve_http_requests_total"]}
-    assert ingress and replica not in ingress and "local" not in ingress
     before = _replica_value(families, GENERATED, replica)
     _generate(url, {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-    _wait_for(url, lambda f: _replica_value(f, GENERATED, replica) > before, f"{app}'s tokens grow")
+    # The ingress's own HTTP counts (this app's requests, at least the one above), by ingress replica.
+    families = _wait_for(
+        url,
+        lambda f: _replica_value(f, GENERATED, replica) > before and f.get("specserve_http_requests_total"),
+        f"{app}'s tokens grow and its ingress counts requests",
+    )
+    ingress = {s.labels["replica"] for s in families["specserve_http_requests_total"]}
+    assert ingress and replica not in ingress and "local" not in ingress
     return replica
 
 
