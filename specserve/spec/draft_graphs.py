@@ -47,6 +47,7 @@ from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import DUMMY_PAGE, KVCache
 from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input, graph_head_size
+from specserve.executor.cuda_graphs import capture
 from specserve.model.draft_heads import DraftHead
 from specserve_kernels import use_triton
 from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
@@ -343,14 +344,7 @@ class DraftGraphs:
         ]
         pool = None
         for _, forward, owner, steps in sorted(jobs, key=lambda job: -job[0]):  # largest first
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # compiles the kernels off the graph
-                forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = forward()
+            graph, outputs = capture(forward, pool)
             pool = graph.pool()
             if steps is None:
                 owner.graph, owner.outputs = graph, outputs
