@@ -23,6 +23,11 @@
 #   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) as well as on
 #   those generated now; DATA_MINUTES=0 generates none.
 #   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
+#   A budget longer than one call: RESUME=1 keeps $WORK (the warm machine's disk) from the last call,
+#   SESSION_MINUTES=M ends this call's training after M minutes (the schedule stays the method's
+#   *_MINUTES, the whole budget), NO_EVAL=1 skips the evaluation. E.g. EAGLE3_MINUTES=25 with
+#   SESSION_MINUTES=8.5 NO_EVAL=1, then RESUME=1 twice more, the last without NO_EVAL.
+#   Each head's training/log.jsonl comes back beside it.
 set -uo pipefail
 START=$SECONDS
 LIMIT=${LIMIT:-570}  # seconds this script may take in all (the call's limit is 600)
@@ -36,7 +41,7 @@ MTP_MINUTES=${MTP_MINUTES:-1.25}
 METHODS=${METHODS:-eagle3 mtp}
 PROMPTS=${PROMPTS:-.devcarry/train/prompts.jsonl.gz}
 mkdir -p "$OUT" "$WORK"
-rm -rf "${WORK:?}"/*
+[ -z "${RESUME:-}" ] && rm -rf "${WORK:?}"/*
 exec > >(tee "$OUT/train.log") 2>&1
 
 if [ -d "$HOME/staged" ]; then  # the GPU machine: carried wheels and staged assets, as scripts/gpu_check.sh
@@ -97,16 +102,23 @@ for method in $METHODS; do
     *) minutes=1; extra=() ;;
   esac
   # Loading, evaluation and export take about 90 s past the training budget.
-  need=$(python3 -c "print(int($minutes * 60 + 90))")
+  session=${SESSION_MINUTES:-$minutes}
+  tail_s=90
+  [ -n "${NO_EVAL:-}" ] && tail_s=30
+  need=$(python3 -c "print(int($session * 60 + $tail_s))")
   if [ "$(left)" -lt "$need" ]; then
     echo "== $method skipped: $(left)s left, needs about ${need}s"
     continue
   fi
-  echo "== $method: train ${minutes} min, then MT-Bench"
-  "${TRAIN[@]}" --phase train,eval --method "$method" --responses "$ALL" --out "$WORK/$method" \
-    --max-minutes "$minutes" --lr 5e-4 --checkpoint-every 500 ${STEPS[@]+"${STEPS[@]}"} "${EVAL[@]}" "${extra[@]}"
+  phases=train,eval
+  [ -n "${NO_EVAL:-}" ] && phases=train
+  echo "== $method: train ${session} of ${minutes} min ($phases)"
+  "${TRAIN[@]}" --phase "$phases" --method "$method" --responses "$ALL" --out "$WORK/$method" \
+    --max-minutes "$minutes" --session-minutes "$session" --lr 5e-4 --checkpoint-every 500 \
+    ${STEPS[@]+"${STEPS[@]}"} "${EVAL[@]}" "${extra[@]}"
   mkdir -p "$OUT/$method"
-  cp "$WORK/$method/config.json" "$WORK/$method/model.safetensors" "$OUT/$method/" 2>/dev/null
+  cp "$WORK/$method/config.json" "$WORK/$method/model.safetensors" "$WORK/$method/training/log.jsonl" \
+    "$OUT/$method/" 2>/dev/null
 done
 
 # results.json: data, training and acceptance of every head, in one file.

@@ -51,13 +51,25 @@ def mtbench_texts(path: Path) -> list[str]:
 def sharegpt_texts(path: Path) -> list[str]:
     """The first human turn of each ShareGPT conversation, in file order (conversations without one
     are skipped)."""
-    texts = []
-    for conversation in _json_list_items(path.read_text()):
-        turns = conversation.get("conversations") or []
-        first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
-        if isinstance(first, str):
-            texts.append(first.strip())
-    return texts
+    firsts = (_first_exchange(c) for c in _json_list_items(path.read_text()))
+    return [question for question, _ in firsts if question is not None]
+
+
+def sharegpt_exchanges(path: Path) -> list[tuple[str, str]]:
+    """(first human turn, the answer right after it) of each ShareGPT conversation that has both,
+    in file order: the data set's own answers, which draft training can use beside the target's."""
+    firsts = (_first_exchange(c) for c in _json_list_items(path.read_text()))
+    return [(q, a) for q, a in firsts if q is not None and a is not None]
+
+
+def _first_exchange(conversation: dict) -> tuple[str | None, str | None]:
+    turns = [t for t in conversation.get("conversations") or [] if isinstance(t.get("value"), str)]
+    first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+    if first is None:
+        return None, None
+    after = turns[first + 1] if first + 1 < len(turns) else None
+    answer = after["value"].strip() if after is not None and after.get("from") == "gpt" else None
+    return turns[first]["value"].strip(), answer or None
 
 
 def _json_list_items(text: str) -> list:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specserve.bench_data import cycle, mtbench_texts, select_texts, sharegpt_texts
+from specserve.bench_data import cycle, mtbench_texts, select_texts, sharegpt_exchanges, sharegpt_texts
 from specserve.bench_plot import plot_throughput
 from specserve.bench_report import format_table, run_info
 from specserve.cli import _with_bench_mode
@@ -47,6 +47,22 @@ def test_sharegpt_first_human_turns_filtered_and_shuffled_by_seed(tmp_path):
     assert picked == select_texts(texts, shuffle=True, seed=0)  # deterministic
     assert picked != select_texts(texts, shuffle=True, seed=1)
     assert select_texts(texts, shuffle=False, max_chars=12) == ["Explain TP."]
+
+
+def test_sharegpt_exchanges_pair_the_first_question_with_the_answer_after_it(tmp_path):
+    """Draft training's `answers` phase: (first human turn, the gpt turn right after it); a
+    conversation without that answer gives no pair."""
+    conversations = [
+        {"conversations": [{"from": "human", "value": " Q1 "}, {"from": "gpt", "value": " A1 "}]},
+        {"conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt"}]},  # no answer text
+        {"conversations": [{"from": "gpt", "value": "Hi"}, {"from": "human", "value": "Q3"}]},  # none after
+        {"conversations": [{"from": "human", "value": "Q4"}, {"from": "human", "value": "Q4b"}]},
+        {"conversations": [{"from": "human", "value": "Q5"}, {"from": "gpt", "value": "A5"}, {"from": "human", "value": "Q6"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(conversations))
+    assert sharegpt_exchanges(path) == [("Q1", "A1"), ("Q5", "A5")]
+    assert sharegpt_texts(path) == ["Q1", "Q2", "Q3", "Q4", "Q5"]
 
 
 def test_sharegpt_reads_the_conversations_before_a_truncated_tail(tmp_path):

@@ -335,6 +335,34 @@ def test_a_resumed_run_continues_exactly(target, data, tmp_path):
     assert len(head.step_modules) == 2
 
 
+def test_a_session_deadline_ends_a_run_that_the_same_command_resumes(target, data, tmp_path):
+    """`stop_seconds` (--session-minutes): a budget spread over several calls. A passed deadline
+    ends the run at once with a snapshot; the next run resumes and finishes the schedule."""
+    _, samples = data
+    cfg = TrainConfig(method="eagle3", steps=2, tokens_per_batch=512, warmup_steps=1, max_steps=3)
+    out = tmp_path / "s"
+    stopped = train_head(target, samples, cfg, out, progress_bar=False, stop_seconds=0, log=lambda _: None)
+    assert stopped.progress.step == 0 and (out / "training" / "state.pt").is_file()
+    assert train_head(target, samples, cfg, out, progress_bar=False, log=lambda _: None).progress.step == 3
+
+
+def test_answer_samples_are_the_chat_prompt_then_the_answer(smollm2_gguf):
+    """The `answers` phase: each question through the chat template, then the answer's ids and the
+    end-of-turn token (none where the answer was cut); questions too long are skipped."""
+    from specserve.model.tokenizer import chat_prompt_ids, load_tokenizer
+    from specserve.train.answers import answer_samples
+
+    tok = load_tokenizer(smollm2_gguf)
+    pairs = [("What is 2+2?", "4."), ("word " * 400, "skipped"), ("Name a colour.", "Blue " * 50)]
+    samples = answer_samples(tok, pairs, max_prompt_tokens=64, max_answer_tokens=20, meta={"x": 1})
+    assert samples.prompt_index.tolist() == [0, 2] and samples.meta == {"x": 1}
+    prompt = chat_prompt_ids(tok, [{"role": "user", "content": "What is 2+2?"}])
+    answer = tok.encode("4.", add_special_tokens=False) + [tok.eos_token_id]
+    assert samples.sample(0).tolist() == prompt + answer and samples.prompt_lens[0] == len(prompt)
+    cut = samples.sample(1)[samples.prompt_lens[1] :].tolist()
+    assert cut == tok.encode("Blue " * 50, add_special_tokens=False)[:20]
+
+
 def test_a_profiled_step_logs_where_its_time_went(target, data, tmp_path, monkeypatch):
     """SPECSERVE_TRAIN_PROFILE=N logs a torch.profiler table of step N (and only of that step)."""
     _, samples = data

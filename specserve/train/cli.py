@@ -4,7 +4,9 @@
 
 Phases (`--phase`, comma-separated, in this order): `prompts` writes the data set's prompts to
 DIR/prompts.jsonl.gz (a file a machine without the data set's wheel can carry, then `--data FILE`);
-`data` answers them with the target (`--responses`, default DIR/responses.npz); `train` trains the
+`answers` writes the data set's own answers (ShareGPT's) as samples, no generation (`--responses`,
+default DIR/answers.npz); `data` answers the prompts with the target (`--responses`, default
+DIR/responses.npz); `train` trains the
 head into DIR (an HF folder `--speculative METHOD --draft-model DIR` loads; resumed from
 DIR/training/state.pt when present); `eval` measures accept lengths on MT-Bench into DIR/eval.json.
 Only argparse is imported until a phase runs (no Ray, pydantic or FastAPI on the way).
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-PHASES = ("prompts", "data", "train", "eval")
+PHASES = ("prompts", "answers", "data", "train", "eval")
 METHODS = ("eagle3", "eagle", "mtp")
 
 
@@ -63,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--max-steps", type=int, default=None, help="optimizer steps (total, across resumes)")
     train.add_argument(
         "--max-minutes", type=float, default=None, help="training time (total, across resumes)"
+    )
+    train.add_argument(
+        "--session-minutes",
+        type=float,
+        default=None,
+        help="end this run after this long (snapshot saved; the schedule stays --max-minutes'/--max-steps')",
     )
     train.add_argument("--unroll", type=int, default=6, help="chain steps unrolled per batch")
     train.add_argument("--loss-decay", type=float, default=0.8, help="step s's loss weighs DECAY**s")
@@ -127,7 +135,8 @@ def _run(args: argparse.Namespace, phases: list[str]) -> int:
     if not rest:
         return 0
     loaded = _load(args)
-    for phase, run_phase in (("data", _data_phase), ("train", _train_phase), ("eval", _eval_phase)):
+    phase_runs = (("answers", _answers_phase), ("data", _data_phase), ("train", _train_phase), ("eval", _eval_phase))
+    for phase, run_phase in phase_runs:
         if phase in rest:
             run_phase(args, loaded, out)
             _free_memory()  # the phase's engines and batches are gone: give their memory back
@@ -163,6 +172,25 @@ def _chat_prompts(loaded, texts: list[str]) -> list[list[int]]:
     from specserve.model.tokenizer import chat_prompt_ids
 
     return [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+
+def _answers_phase(args: argparse.Namespace, loaded, out: Path) -> None:
+    from specserve.train.answers import answer_samples, dataset_exchanges
+    from specserve.train.data import save_samples
+
+    exchanges = dataset_exchanges(args.data, seed=args.seed, max_chars=args.max_prompt_chars)
+    exchanges = exchanges[: args.num_prompts] if args.num_prompts else exchanges
+    meta = {"target": args.target, "data": args.data, "answers": "dataset"}
+    samples = answer_samples(
+        loaded.tokenizer,
+        exchanges,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_answer_tokens=args.max_new_tokens,
+        meta=meta,
+    )
+    path = save_samples(samples, args.responses or out / "answers.npz")
+    answer_tokens = int(samples.lengths.sum() - samples.prompt_lens.sum())
+    print(f"answers: {len(samples)} samples, {answer_tokens} answer tokens in {path}")
 
 
 def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
@@ -231,7 +259,16 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         compile=args.compile,
     )
     samples = load_all(_responses_paths(args, out))
-    train_head(loaded, samples, cfg, out, resume=not args.no_resume, progress_bar=not args.no_progress)
+    session = args.session_minutes * 60 if args.session_minutes else None
+    train_head(
+        loaded,
+        samples,
+        cfg,
+        out,
+        resume=not args.no_resume,
+        progress_bar=not args.no_progress,
+        stop_seconds=session,
+    )
 
 
 def _eval_phase(args: argparse.Namespace, loaded, out: Path) -> None:

@@ -111,11 +111,13 @@ def train_head(
     resume: bool = True,
     progress_bar: bool = True,
     stop_after: int | None = None,
+    stop_seconds: float | None = None,
     log=print,
 ) -> TrainResult:
     """Train a head of `cfg.method` on `samples` into the folder `out` (see the module doc).
     `stop_after`: end this call after that many steps, as an interruption would (the schedule stays
-    the whole budget's; the next call resumes)."""
+    the whole budget's; the next call resumes); `stop_seconds`: the same after that much wall time
+    (a budget spread over several shorter sessions, e.g. calls to a lent GPU)."""
     out = Path(out)
     target = loaded.model
     device = next(target.parameters()).device
@@ -152,7 +154,11 @@ def train_head(
     started = time.monotonic() - done.seconds
     head.train()
     stop_at = None if stop_after is None else done.step + stop_after
+    session_end = None if stop_seconds is None else time.monotonic() + stop_seconds
     while not _finished(cfg, done) and done.step != stop_at:
+        if session_end is not None and time.monotonic() >= session_end:
+            log(f"train: session time up at step {done.step}; the same command resumes")
+            break
         if done.batch >= len(batches):
             done = dataclasses.replace(done, epoch=done.epoch + 1, batch=0)
             batches = epoch_batches(samples, cfg.tokens_per_batch, cfg.max_len, cfg.seed, done.epoch)

@@ -1,0 +1,58 @@
+"""The `answers` phase of draft training: a data set's own answers as samples, no generation.
+
+A head is trained on the target's distribution at every answer position (soft labels from the
+target's forward in each training batch, `unroll.target_pass`), so the text it reads need not be the
+target's own: ShareGPT's answers, in the target's chat template, teach it the same thing at the cost
+of a tokenizer pass instead of the target decoding every answer. The inputs then differ from what
+the head sees when serving (the target's own greedy text), which is why the target's answers
+(`data` phase) stay the better data per token; these add volume and variety beside them
+(EAGLE's heads were trained on fixed ShareGPT answers). The file has the layout the data phase
+writes (`responses.npz`), so training takes both in one `--responses` list.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from specserve.train.data import Samples, append, empty_samples
+
+
+def answer_samples(
+    tokenizer,
+    exchanges: Sequence[tuple[str, str]],
+    *,
+    max_prompt_tokens: int,
+    max_answer_tokens: int,
+    meta: dict | None = None,
+) -> Samples:
+    """(question, answer) pairs as samples: the question through the chat template (assistant turn
+    opened), then the answer's ids cut to `max_answer_tokens`, then the end-of-turn token if the
+    answer was not cut (the target's own answers end the same way). Questions longer than
+    `max_prompt_tokens` are skipped; `prompt_index` is the pair's index in `exchanges`."""
+    from specserve.model.tokenizer import chat_prompt_ids
+
+    end = tokenizer.eos_token_id
+    new: list[tuple[list[int], int, int]] = []
+    for i, (question, answer) in enumerate(exchanges):
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        if len(prompt) > max_prompt_tokens:
+            continue
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        if len(ids) < max_answer_tokens and end is not None:
+            ids.append(end)
+        new.append((prompt + ids[:max_answer_tokens], len(prompt), i))
+    return append(empty_samples(meta), new)
+
+
+def dataset_exchanges(data: str, *, seed: int, max_chars: int) -> list[tuple[str, str]]:
+    """A named data set's (question, answer) pairs with questions of at most `max_chars`, in a
+    seeded order (so `--num-prompts` takes a representative part). Only ShareGPT has answers."""
+    from specserve.assets import dataset_path
+    from specserve.bench_data import sharegpt_exchanges
+
+    if data != "sharegpt":
+        raise ValueError(f"data: the answers phase needs a data set with answers (sharegpt), not {data!r}")
+    pairs = [(q, a) for q, a in sharegpt_exchanges(dataset_path("sharegpt")) if 4 <= len(q) <= max_chars]
+    random.Random(seed).shuffle(pairs)
+    return pairs
