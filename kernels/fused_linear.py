@@ -65,12 +65,20 @@ def _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM: tl.constexpr):
 
 
 @triton.jit
-def _input_row(x_row, ks, k_end, rstd, scale, NORM: tl.constexpr):
-    """The GEMV form's `_input_tile`: columns `ks` < `k_end` of one row (`rstd` a scalar), in fp32;
-    `k_end` 0 for a row past the step's last, which reads nothing."""
+def _input_row(
+    x_row, ks, k_end, K, eps, rstd, idx, m: tl.constexpr, scale, NORM: tl.constexpr, ONE_CHUNK: tl.constexpr
+):
+    """The GEMV form's `_input_tile`: columns `ks` < `k_end` of row m, in fp32 (`k_end` 0 for a row
+    past the step's last: it reads nothing). RMS-normed with rstd[m], or, when the chunk is the whole
+    row, with the row's own norm: no second read of x before the weights can be multiplied."""
     xk = tl.load(x_row + ks, mask=ks < k_end, other=0.0)
     if NORM:
-        xk = _round_normed(xk, rstd, scale)
+        if ONE_CHUNK:
+            xf = xk.to(tl.float32)
+            r = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        else:
+            r = _pick(rstd, idx, m)
+        xk = _round_normed(xk, r, scale)
     return xk.to(tl.float32)
 
 
@@ -212,6 +220,7 @@ def _fused_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     """The GEMV form of `_fused_linear_kernel`: weight rows `cols` [BLOCK_N, BLOCK_K] are loaded once
     per K chunk and every one of the BLOCK_M rows multiplies them in turn (no tl.dot: a 16-row tile
@@ -222,7 +231,7 @@ def _fused_gemv_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # each program norms the rows again: a hidden row is a few KB, read from L2
+    if NORM and not ONE_CHUNK:  # each program norms the rows again: a hidden row is a few KB, in L2
         rstd = _row_rstd(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_ok, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -240,10 +249,8 @@ def _fused_gemv_kernel(
         if NORM:
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
         for m in tl.static_range(BLOCK_M):
-            rstd_m = 0.0
-            if NORM:
-                rstd_m = _pick(rstd, idx, m)
-            xm = _input_row(x_first + m * stride_xm, ks, tl.where(row0 + m < M, K, 0), rstd_m, scale, NORM)
+            k_end = tl.where(row0 + m < M, K, 0)
+            xm = _input_row(x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK)
             acc = _add_row(acc, idx, m, w, xm)
             if GATED:
                 acc_up = _add_row(acc_up, idx, m, w_up, xm)
@@ -376,7 +383,15 @@ def fused_linear(
     }
     block_k = min(b.k, max(16, triton.next_power_of_2(k)))
     if b.gemv:
-        _fused_gemv_kernel[grid](*args, **flags, BLOCK_M=b.m, BLOCK_N=b.n, BLOCK_K=block_k, num_warps=b.warps)
+        _fused_gemv_kernel[grid](
+            *args,
+            **flags,
+            BLOCK_M=b.m,
+            BLOCK_N=b.n,
+            BLOCK_K=block_k,
+            ONE_CHUNK=block_k >= k,
+            num_warps=b.warps,
+        )
         return out
     _fused_linear_kernel[grid](
         *args,
@@ -589,6 +604,7 @@ def _qkv_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     """The GEMV form of `_qkv_rope_store_kernel`: a program owns BLOCK_N rotation pairs (i, i + HALF)
     of one head, so RoPE needs nothing from another program, and a head spreads over several."""
@@ -599,7 +615,7 @@ def _qkv_gemv_kernel(
     rows = row0 + idx
     row_ok, i_ok = rows < M, i < HALF
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM and not ONE_CHUNK:
         rstd = _row_rstd(x_ptr + rows.to(tl.int64)[:, None] * stride_xm, row_ok, K, eps, BLOCK_M, BLOCK_K)
     lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -616,10 +632,8 @@ def _qkv_gemv_kernel(
         if NORM:
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
         for m in tl.static_range(BLOCK_M):
-            rstd_m = 0.0
-            if NORM:
-                rstd_m = _pick(rstd, idx, m)
-            xm = _input_row(x_first + m * stride_xm, ks, tl.where(row0 + m < M, K, 0), rstd_m, scale, NORM)
+            k_end = tl.where(row0 + m < M, K, 0)
+            xm = _input_row(x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK)
             lo = _add_row(lo, idx, m, wl, xm)
             hi = _add_row(hi, idx, m, wh, xm)
     _qkv_epilogue(
@@ -745,6 +759,7 @@ def qkv_rope_store(
             BLOCK_M=b.m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
+            ONE_CHUNK=block_k >= k,
             num_warps=b.warps,
         )
         return q_out
