@@ -16,11 +16,11 @@ computes what `RMSNorm`, `nn.Linear`, `silu_mul` and `x + residual` compute in t
 matmul's summation order.
 
 Two forms of each kernel. The tile form (`tl.dot`, BLOCK_M rows at once) serves steps of many rows.
-At a few rows (decode at batch 1-4, `GEMV_ROWS`) a matmul is a read of W at tensor-core-free speed,
-and tl.dot tiles spread that read over too few programs: the GEMV form gives each program a few
-output columns, reads their weight rows over the whole K (one or two big chunks) and multiplies every
-row of the step with them before moving on, so W is read once and hundreds of programs pull it at
-once. Both forms share the prologue (RMSNorm and its roundings) and the epilogue (bias, SwiGLU,
+At a few rows (decode at batch 1-4, `GEMV_ROWS`) a matmul is a read of W with next to no arithmetic,
+and 16-row tl.dot tiles spread that read over too few programs (36-60 for SmolLM2-135M on 132 SMs):
+the GEMV form gives each program a few output columns, reads their weight rows over the whole K
+(one or two big chunks) and multiplies every row of the step with them before moving on, so W is
+read once and hundreds of programs pull it at once. Both forms share the prologue (RMSNorm and its roundings) and the epilogue (bias, SwiGLU,
 residual; RoPE and the KV write), so they round alike.
 """
 
