@@ -227,14 +227,15 @@ def test_bench_decode_step(smollm2_bf16, batch, context):
     _row(f"decode step (30 layers) B={batch} ctx={context}", figures["triton"], figures["torch"])
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 64])
 def test_bench_fused_linear_layer(tokens):
     """A decoder layer's four matmuls with their norms, activation, residual adds, RoPE and KV write:
     fused (`qkv_rope_store` + three `fused_linear`, four launches) against the (x, residual) path
-    (fused norms, cuBLAS, rope_kv_store, silu_mul: eight)."""
+    (fused norms, cuBLAS, rope_kv_store, silu_mul: eight). The fused kernels as `blocks_for` picks
+    them (the GEMV form up to SPECSERVE_GEMV_ROWS tokens), and in the tile form beside them."""
     import torch.nn.functional as F
 
-    from specserve_kernels.fused_linear import QKVLayout, fused_linear, qkv_rope_store
+    from specserve_kernels.fused_linear import GEMV_ROWS, QKVLayout, blocks_for, fused_linear, qkv_rope_store
     from specserve_kernels.silu_mul import silu_mul
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -253,11 +254,16 @@ def test_bench_fused_linear_layer(tokens):
     rope = RotaryEmbedding(_arch()).cuda()
     layout = QKVLayout(HEADS, KV_HEADS, cache[0], cache[1], slots, positions, rope.cos, rope.sin)
 
-    def fused():
-        qkv_rope_store(stream, w_qkv, layout, norm=(ln1, 1e-5))
-        s = fused_linear(attn, w_o, residual=stream)
-        act = fused_linear(s, w_gu, norm=(ln2, 1e-5), gated=True)
-        return fused_linear(act, w_d, residual=s)
+    def fused(gemv_rows=None):
+        def blocks(n, k):
+            return blocks_for(tokens, n, k, gemv_rows=gemv_rows)
+
+        qkv_rope_store(
+            stream, w_qkv, layout, norm=(ln1, 1e-5), blocks=blocks((q_size + 2 * kv_size) // 2, HIDDEN)
+        )
+        s = fused_linear(attn, w_o, residual=stream, blocks=blocks(HIDDEN, q_size))
+        act = fused_linear(s, w_gu, norm=(ln2, 1e-5), gated=True, blocks=blocks(inter, HIDDEN))
+        return fused_linear(act, w_d, residual=s, blocks=blocks(HIDDEN, inter))
 
     def unfused():
         h, r = add_rms_norm(stream, None, ln1, 1e-5)
@@ -276,4 +282,10 @@ def test_bench_fused_linear_layer(tokens):
         h, r = add_rms_norm(F.linear(attn, w_o), r, ln2, 1e-5)
         return F.linear(silu_mul(F.linear(h, w_gu)), w_d), r
 
-    _row(f"layer matmuls + norms + rope/kv T={tokens}", _us(fused), _us(unfused))
+    form = "gemv" if tokens <= GEMV_ROWS else "tile"
+    torch_path = _us(unfused)
+    _row(f"layer matmuls + norms + rope/kv T={tokens} ({form})", _us(fused), torch_path)
+    if form == "gemv":
+        _row(
+            f"layer matmuls + norms + rope/kv T={tokens} (tile)", _us(lambda: fused(gemv_rows=0)), torch_path
+        )

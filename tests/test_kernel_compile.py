@@ -4,8 +4,8 @@ The interpreter the other kernel tests use skips the GPU compiler entirely, so t
 unsupported constructs that only it rejects would first show on the GPU machine. Triton compiles
 ahead of time for a named target with the ptxas it bundles, no driver needed; this does so for one
 variant of each kernel (the SmolLM2 shapes: decode tile with split-K and a tree mask, prefill tile,
-the split merge, RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels), in a subprocess because this process's
-triton runs in interpreter mode.
+the split merge, RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels in
+their tile and GEMV forms), in a subprocess because this process's triton runs in interpreter mode.
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ COMPILE = textwrap.dedent(
     compile_(fl._fused_linear_kernel, {"default": "*bf16"}, {**blocks, "NORM": False, "BIAS": False, "RESIDUAL": True, "GATED": False, "BLOCK_N": 16})
     qkv = {"default": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **ints}
     compile_(fl._qkv_rope_store_kernel, qkv, {**blocks, "NORM": True, "BIAS": True, "HALF": 32, "BLOCK_HALF": 32})
+    gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ONE_CHUNK=True)
+    compile_(fl._fused_gemv_kernel, {"default": "*bf16"}, {**gemv, **flags, "GATED": True}, 4)
+    chunked = dict(BLOCK_M=4, BLOCK_N=2, BLOCK_K=512, ONE_CHUNK=False)
+    compile_(fl._fused_gemv_kernel, {"default": "*bf16"}, {**chunked, **flags, "RESIDUAL": True, "BIAS": True, "GATED": False}, 2)
+    compile_(fl._qkv_gemv_kernel, qkv, {**gemv, "NORM": True, "BIAS": True, "HALF": 32}, 2)
+    compile_(fl._qkv_gemv_kernel, qkv, {**chunked, "NORM": True, "BIAS": False, "HALF": 32}, 2)
     print("compiled")
     """
 )

@@ -1,16 +1,26 @@
 """Fused linear layers (RMSNorm before; bias, SwiGLU or residual after) against the modules in turn:
-fp32 and bf16, every fusion, row counts across the tile-size tiers and widths that leave partial tiles."""
+fp32 and bf16, every fusion, row counts across the tile-size tiers and widths that leave partial tiles;
+both forms, the tile form (tl.dot) at every row count and the GEMV form at the 1-4 rows it serves
+(and beyond, several row groups), with one K chunk or several."""
 
 from __future__ import annotations
+
+import functools
+import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from specserve_kernels.fused_linear import (
+    Blocks,
     QKVLayout,
     blocks_for,
     fused_linear,
     fused_linear_ref,
+    gemv_blocks,
     qkv_rope_store,
     qkv_rope_store_ref,
 )
@@ -22,6 +32,7 @@ FUSIONS = {
     "norm_bias": {"norm": True, "bias": True},
     "norm_gated": {"norm": True, "gated": True},
     "residual": {"residual": True},
+    "bias": {"bias": True},
 }
 
 
@@ -45,15 +56,83 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, fusion: dict, seed: i
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 40, 72), (5, 96, 64), (20, 33, 100), (70, 72, 136)])
 def test_matches_the_modules_in_turn(rows, n, k, dtype, fusion):
     x, weight, kwargs, gated = _inputs(rows, n, k, dtype, FUSIONS[fusion], rows * n + k)
-    out = fused_linear(x, weight, gated=gated, **kwargs)
+    tile = blocks_for(rows, n, k, gemv_rows=0)
+    out = fused_linear(x, weight, gated=gated, blocks=tile, **kwargs)
     ref = fused_linear_ref(x, weight, gated=gated, **kwargs)
     assert out.shape == ref.shape == (rows, n) and out.dtype == dtype
-    if dtype == torch.float32:  # summation order only
+    _assert_close(out, ref)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    if out.dtype == torch.float32:  # summation order only
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     else:  # up to six bf16 roundings in a row, which the interpreter truncates instead of rounding
         scale = ref.float().abs().max().item()
         atol = scale * (2**-4 if DEVICE == "cpu" else 2**-6)
         torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+# Every combination of the features: norm or not, bias or gated or neither (a gated layer has no
+# bias), residual or not.
+FEATURES = ("norm", "bias", "gated", "residual")
+COMBOS = {
+    "+".join(f for f, on in zip(FEATURES, flags, strict=True) if on) or "plain": dict(
+        zip(FEATURES, flags, strict=True)
+    )
+    for flags in itertools.product((False, True), repeat=4)
+    if not (flags[1] and flags[2])
+}
+# (n, k) per row count: odd widths (partial column blocks) and K not a power of two (a masked chunk).
+GEMV_SHAPES = {1: (40, 72), 2: (37, 100), 3: (24, 64), 4: (33, 136)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("combo", COMBOS, ids=list(COMBOS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_matches_the_modules_in_turn(rows, combo, dtype):
+    """The GEMV form, as `fused_linear` picks it at 1-4 rows, every feature combination; the odd
+    rows with K in several chunks and column blocks of 4 or 1 instead."""
+    n, k = GEMV_SHAPES[rows]
+    x, weight, kwargs, gated = _inputs(rows, n, k, dtype, COMBOS[combo], rows * n + k)
+    blocks = blocks_for(rows, n, k, gemv_rows=4)
+    assert blocks.gemv and blocks.k >= k
+    if rows % 2:
+        blocks = Blocks(blocks.m, 4 if rows == 1 else 1, 32, 1, gemv=True)
+    out = fused_linear(x, weight, gated=gated, blocks=blocks, **kwargs)
+    ref = fused_linear_ref(x, weight, gated=gated, **kwargs)
+    assert out.shape == ref.shape == (rows, n) and out.dtype == dtype
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("fusion", ["norm_gated", "residual", "norm_bias"])
+@pytest.mark.parametrize(("rows", "block_m"), [(7, 2), (5, 8), (20, 4)])
+def test_gemv_row_groups(rows, block_m, fusion):
+    """Past one program's rows the GEMV form tiles the rows too (each group reads W again)."""
+    x, weight, kwargs, gated = _inputs(rows, 24, 48, torch.float32, FUSIONS[fusion], rows)
+    out = fused_linear(x, weight, gated=gated, blocks=Blocks(block_m, 8, 64, 2, gemv=True), **kwargs)
+    _assert_close(out, fused_linear_ref(x, weight, gated=gated, **kwargs))
+
+
+@pytest.mark.parametrize("gemv", [False, True], ids=["tile", "gemv"])
+@pytest.mark.parametrize("fusion", ["norm_gated", "norm_bias", "residual"])
+def test_reads_stay_in_bounds(fusion, gemv):
+    """Every operand a view into a NaN-filled buffer (rows past T, weight rows past N, columns past
+    K or N): any masked lane that still read would poison the output."""
+    rows, n, k = 3, 21, 40
+    x, weight, kwargs, gated = _inputs(rows, n, k, torch.float32, FUSIONS[fusion], 7)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.full((t.shape[0] + 3, t.shape[1] + 5), float("nan"), device=DEVICE)
+        buf[: t.shape[0], : t.shape[1]] = t
+        return buf[: t.shape[0], : t.shape[1]]
+
+    x, weight = padded(x), padded(weight)
+    if "residual" in kwargs:
+        kwargs["residual"] = padded(kwargs["residual"])
+    blocks = Blocks(4, 8, 16, 1, gemv=True) if gemv else blocks_for(rows, n, k, gemv_rows=0)
+    out = fused_linear(x, weight, gated=gated, blocks=blocks, **kwargs)
+    assert torch.isfinite(out).all()
+    _assert_close(out, fused_linear_ref(x, weight, gated=gated, **kwargs))
 
 
 def test_reference_is_the_modules_in_turn():
@@ -85,14 +164,79 @@ def test_strided_inputs_empty_batch_and_shape_errors():
 
 
 def test_tiles_grow_with_rows():
-    assert blocks_for(1, 576, 576).m == 16 and blocks_for(64, 576, 576).m == 64
-    assert blocks_for(1, 3072, 576).n > blocks_for(1, 576, 576).n
+    assert blocks_for(1, 576, 576, gemv_rows=0).m == 16 and blocks_for(64, 576, 576).m == 64
+    assert blocks_for(1, 3072, 576, gemv_rows=0).n > blocks_for(1, 576, 576, gemv_rows=0).n
+
+
+def test_gemv_form_up_to_gemv_rows():
+    """1-4 rows take the GEMV form by default; SmolLM2-135M's matmuls get a program per few
+    columns (over a hundred programs each) and the whole K in one chunk."""
+    for rows in (1, 2, 3, 4):
+        b = blocks_for(rows, 960, 576, gemv_rows=4)
+        assert b.gemv and b.m >= rows and b.k >= 576
+    assert not blocks_for(5, 960, 576, gemv_rows=4).gemv
+    assert not blocks_for(1, 960, 576, gemv_rows=0).gemv
+    for n, k in ((960, 576), (576, 576), (1536, 576), (576, 1536), (15 * 32, 576)):
+        b = gemv_blocks(1, n, k)
+        assert -(-n // b.n) >= 128 and b.k >= k and 1 <= b.warps <= 8
+
+
+def test_gemv_rows_env_knob():
+    """SPECSERVE_GEMV_ROWS=0 turns the GEMV form off without code edits (read at import)."""
+    code = "from specserve_kernels.fused_linear import blocks_for; print(blocks_for(1, 576, 576).gemv)"
+    env = {**os.environ, "SPECSERVE_GEMV_ROWS": "0"}
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fusion", ["norm", "norm_bias", "plain"])
 @pytest.mark.parametrize(("rows", "heads", "kv_heads", "dim"), [(1, 9, 3, 64), (5, 4, 2, 8), (20, 3, 1, 32)])
 def test_qkv_rope_store_matches_projection_rope_and_kv_write(rows, heads, kv_heads, dim, dtype, fusion):
+    """The tile form, at every row count."""
+    _check_qkv_case(rows, heads, kv_heads, dim, dtype, fusion, blocks_for(rows, dim, 48, gemv_rows=0))
+
+
+QKV_GEMV_BLOCKS = {  # (column block, K chunk): one chunk, and several with a column block below HALF
+    "default": None,
+    "chunked": (2, 16),
+    "wide": (16, 32),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fusion", ["norm", "norm_bias", "plain", "bias"])
+@pytest.mark.parametrize("blocks", QKV_GEMV_BLOCKS, ids=list(QKV_GEMV_BLOCKS))
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim"), [(1, 3, 1, 16), (2, 4, 2, 8), (3, 3, 1, 12), (4, 2, 1, 32)]
+)
+def test_qkv_gemv_matches_projection_rope_and_kv_write(rows, heads, kv_heads, dim, blocks, dtype, fusion):
+    """The GEMV form at 1-4 rows: a head split over several programs (rotation pairs a program:
+    2 of HALF 4-32), or one program with masked pairs (16 of HALF 4 or 6)."""
+    b = blocks_for(rows, (heads + 2 * kv_heads) * dim // 2, 48, gemv_rows=4)
+    assert b.gemv
+    if QKV_GEMV_BLOCKS[blocks] is not None:
+        n, k = QKV_GEMV_BLOCKS[blocks]
+        b = Blocks(b.m, n, k, 1, gemv=True)
+    _check_qkv_case(rows, heads, kv_heads, dim, dtype, fusion, b)
+
+
+def test_qkv_gemv_smollm2_heads():
+    """SmolLM2-135M's heads (9 q, 3 kv, dim 64) at one row, as `qkv_rope_store` picks the blocks."""
+    blocks = blocks_for(1, 15 * 32, 48)
+    _check_qkv_case(
+        1, 9, 3, 64, torch.bfloat16, "norm", blocks if blocks.gemv else gemv_blocks(1, 15 * 32, 48)
+    )
+
+
+def test_qkv_gemv_row_groups():
+    """Past one program's rows the q/k/v GEMV tiles the rows too."""
+    _check_qkv_case(7, 3, 1, 16, torch.float32, "norm_bias", Blocks(2, 4, 32, 1, gemv=True))
+
+
+def _check_qkv_case(rows, heads, kv_heads, dim, dtype, fusion, blocks):
     """q comes back rotated, k (rotated) and v land in their slots; other slots stay untouched."""
     width = (heads + 2 * kv_heads) * dim
     x, weight, kwargs, _ = _inputs(rows, width, 48, dtype, FUSIONS[fusion], rows + dim)
@@ -103,18 +247,14 @@ def test_qkv_rope_store_matches_projection_rope_and_kv_write(rows, heads, kv_hea
     angles = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim)).to(DEVICE)
     before = torch.randn(2, num_slots, kv_heads, dim, generator=g).to(DEVICE, dtype)
     results = []
-    for fn in (qkv_rope_store, qkv_rope_store_ref):
+    for fn in (functools.partial(qkv_rope_store, blocks=blocks), qkv_rope_store_ref):
         k_cache, v_cache = before.clone()
         layout = QKVLayout(heads, kv_heads, k_cache, v_cache, slots, positions, angles.cos(), angles.sin())
         results.append((fn(x, weight, layout, **kwargs), k_cache, v_cache))
     (q, k_cache, v_cache), (q_ref, k_ref, v_ref) = results
     assert q.shape == (rows, heads, dim) and q.dtype == dtype
     for got, want in ((q, q_ref), (k_cache, k_ref), (v_cache, v_ref)):
-        if dtype == torch.float32:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        else:
-            atol = want.float().abs().max().item() * (2**-4 if DEVICE == "cpu" else 2**-6)
-            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=atol)
+        _assert_close(got, want)
     untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(k_cache[untouched], before[0][untouched])

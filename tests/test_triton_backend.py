@@ -189,6 +189,39 @@ def test_fused_forward_keeps_hidden_and_captured_streams(target, triton_cpu):
         torch.testing.assert_close(fused_aux, aux, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("requests", [1, 2])
+def test_fused_decode_step_in_the_gemv_form(target, triton_cpu, requests):
+    """A decode step of 1-2 tokens through the fused matmuls, which take their GEMV form at so few
+    rows, against the torch backend over the same cache (the prompts' KV written beforehand)."""
+    from specserve_kernels.fused_linear import GEMV_ROWS
+
+    if requests > GEMV_ROWS:
+        pytest.skip(f"SPECSERVE_GEMV_ROWS={GEMV_ROWS}: the tile form")
+    engine = _llm(target, "torch", 16).engine
+    prompts = PROMPTS[:requests]
+    reqs = [Request(f"r{i}", p, SamplingParams(max_new_tokens=1), seed=0) for i, p in enumerate(prompts)]
+    try:
+        for req in reqs:
+            assert engine.kv.reserve(req, req.prompt_len)
+        prefill = build_step_input([ScheduledItem.of(r, r.prompt_len - 1) for r in reqs], 16, engine.device)
+        ctx = TorchAttentionBackend().prepare(prefill.attention, engine.kv_cache)
+        engine.model.forward_features(prefill.input_ids, prefill.positions, ctx, ())
+        for req in reqs:
+            req.num_computed = req.prompt_len - 1
+        inp = build_step_input([ScheduledItem.of(r, 1) for r in reqs], 16, engine.device)
+        results = []
+        for backend in (TorchAttentionBackend(), TritonAttentionBackend(fused_linear_tokens=requests)):
+            ctx = backend.prepare(inp.attention, engine.kv_cache)
+            results.append(engine.model.forward_features(inp.input_ids, inp.positions, ctx, (0, 1)))
+        assert ctx.fused_linear is not None
+    finally:
+        for req in reqs:
+            engine.kv.free(req)
+    (hidden, aux), (fused_hidden, fused_aux) = results
+    torch.testing.assert_close(fused_hidden, hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_aux, aux, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_backend_is_torch_on_cpu_and_names_are_checked(tiny_llama):
     assert _llm(tiny_llama, "auto", 1).engine.backend.name == "torch"
     with pytest.raises(ValueError, match="attention_backend"):

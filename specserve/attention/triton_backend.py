@@ -11,7 +11,9 @@ in, the first of them also applying RoPE and writing the KV cache (`specserve_ke
 so a layer is those four plus attention. Off by default (`FUSED_LINEAR_TOKENS` = 0): on an H100 the
 fused layer measured no faster than cuBLAS with the separate norm kernels at 1-8 tokens (20.3 against
 21.1 us per layer, CUDA graph) and slower at 64 (33.2 against 21.9), and a whole batch-1 decode step
-replayed in 1.26 ms fused against 1.20 ms without (docs/benchmarks.md).
+replayed in 1.26 ms fused against 1.20 ms without (docs/benchmarks.md). Those figures are the
+kernels' tile form; steps of at most SPECSERVE_GEMV_ROWS (4) tokens now take their GEMV form
+(`blocks_for`), not yet measured on a GPU (`scripts/bench_gemv.py`).
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
