@@ -8,12 +8,13 @@ layer's two norms are one launch each too, and the MLP's fused silu(gate) * up (
 Steps of at most `fused_linear_tokens` tokens can go further: the decoder carries one residual
 stream through four matmuls per layer with each norm, the activation and each residual add fused
 in, the first of them also applying RoPE and writing the KV cache (`specserve_kernels.fused_linear`),
-so a layer is those four plus attention. Off by default (`FUSED_LINEAR_TOKENS` = 0): on an H100 the
-fused layer measured no faster than cuBLAS with the separate norm kernels at 1-8 tokens (20.3 against
-21.1 us per layer, CUDA graph) and slower at 64 (33.2 against 21.9), and a whole batch-1 decode step
-replayed in 1.26 ms fused against 1.20 ms without (docs/benchmarks.md). Those figures are the
-kernels' tile form; steps of at most SPECSERVE_GEMV_ROWS (4) tokens now take their GEMV form
-(`blocks_for`), not yet measured on a GPU (`scripts/bench_gemv.py`).
+so a layer is those four plus attention. On by default for steps of at most 4 tokens
+(`FUSED_LINEAR_TOKENS`), where the matmuls take the kernels' GEMV form (`blocks_for`: many programs,
+each a few output columns over the whole K; SPECSERVE_GEMV_ROWS): on an H100 a layer's four matmuls
+took 13.2 us at one token against 27.9 for cuBLAS with the separate kernels, and a batch-1 decode
+step's graph 0.65 ms against 0.99 (`scripts/bench_gemv.py`, `scripts/profile_step.py`). The tile form
+(tl.dot) that larger steps would take was no faster than cuBLAS at 1-8 tokens and slower at 64, so
+steps past 4 tokens stay on cuBLAS (docs/benchmarks.md).
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
@@ -49,9 +50,12 @@ from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 if TYPE_CHECKING:
     from specserve.model.layers import RotaryEmbedding
 
-# Steps up to this many tokens run the fused matmuls; 0 (never) until they beat cuBLAS (see above).
-# SPECSERVE_FUSED_LINEAR_TOKENS sets it, so a GPU run can time both paths from one copy of the code.
-FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "0"))
+# Steps up to this many tokens run the fused matmuls: those are the steps whose matmuls take the
+# GEMV form (`GEMV_ROWS`, also 4), which on an H100 cut a layer's four matmuls from 27.9 to 13.2 us
+# at one token and a batch-1 decode step's graph from 0.99 to 0.65 ms; from 8 tokens up cuBLAS is
+# as fast or faster (docs/benchmarks.md). SPECSERVE_FUSED_LINEAR_TOKENS sets it (0: never), so a
+# GPU run can time both paths from one copy of the code.
+FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "4"))
 
 
 class TritonAttentionContext(AttentionContext):
