@@ -93,8 +93,7 @@ class Clock:
     """The H100's step ms for `workload`, and its requests' text."""
 
     def __init__(self, workload: str, seed: int) -> None:
-        self.table, self.text = H100[workload], TEXT[workload]
-        self.rng = random.Random(seed)
+        self.table, self.text, self.seed = H100[workload], TEXT[workload], seed
 
     def plain_ms(self, batch: int) -> float:
         return by_batch(self.table["plain"], batch)
@@ -109,22 +108,31 @@ class Clock:
         return PROFILE_SHARE * self.chain_ms(max(query_len - 1, 1), batch)[1]
 
     def requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
-        m, loops = self.text["match"], self.text["loop_at"]
-        return [
-            SimpleNamespace(request_id=f"run{run}-r{i}", match=m[i % len(m)], loop_at=loops[i % len(loops)], left=tokens)
-            for i in range(batch)
-        ]
+        """Request i's text is the same in every run (common random numbers: every system, static or
+        adaptive, meets the same matches): per output position, the drafts a lookup there would get
+        right, None where it finds nothing."""
+        m, loops, follow = self.text["match"], self.text["loop_at"], self.text["follow"]
+        reqs = []
+        for i in range(batch):
+            rng = random.Random(f"{self.seed}-{i}")
+            matches: list[int | None] = []
+            for pos in range(tokens):
+                looping = loops[i % len(loops)] is not None and pos >= loops[i % len(loops)]
+                chance, survive = (0.98, 0.97) if looping else (m[i % len(m)], follow)
+                n = None
+                if rng.random() < chance:
+                    n = 0
+                    while n < 16 and rng.random() < survive:
+                        n += 1
+                matches.append(n)
+            reqs.append(SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens))
+        return reqs
 
-    def accepted(self, req: SimpleNamespace, budget: int, made: int) -> int | None:
+    @staticmethod
+    def accepted(req: SimpleNamespace, budget: int, made: int) -> int | None:
         """Drafts of `budget` that survive; None: the lookup found nothing (no draft at all)."""
-        looping = req.loop_at is not None and made >= req.loop_at
-        match, follow = (0.98, 0.97) if looping else (req.match, self.text["follow"])
-        if self.rng.random() >= match:
-            return None
-        n = 0
-        while n < budget and self.rng.random() < follow:
-            n += 1
-        return n
+        n = req.matches[min(made, len(req.matches) - 1)]
+        return None if n is None else min(n, budget)
 
 
 def profile(adaptive: AdaptiveSpeculation, clock: Clock) -> None:
