@@ -24,7 +24,10 @@ while 8-deep drafts doubled throughput. A probe that emits fewer tokens than dec
 the probe's predicted time loses, and each loss doubles the probe interval (up to
 `max_probe_every`): on text no drafter predicts, probes (a synchronous step, the overlapped one
 before it settled first) fade to a negligible share of the steps. A probe that wins restores
-`probe_every`, and its evidence lifts the estimates, so the policy switches back on.
+`probe_every`, and its evidence lifts the estimates, so the policy switches back on. A probe is
+judged on its measured time (not its predicted one: priced too cheap, probes at batch 64 "won" and
+switched the policy on where speculation lost), and one dearer than a decode step waits until its
+extra time is at most `probe_share` of the steps off since the last one.
 
 The measured goodput (tokens emitted per second of step, an EMA) sits beside the predicted one for
 the metrics; `diagnostics` gives the cost table, the pooled estimates and the probe record for
@@ -32,7 +35,8 @@ benchmark reports.
 
 Scoring reads each request's rates once: its expected tokens for every draft depth are prefix sums
 of its reach (the chance draft j survives), which never rises with depth, so its draft steps in a
-tier are min(depth, positions it reaches with odds of at least `min_reach`) and every tier's score is
+tier are min(depth, positions it reaches with odds of at least `min_reach`) for a model drafter (the
+tier's depth for an n-gram lookup, which costs the same however deep) and every tier's score is
 a lookup. While nothing was verified since (speculation off) and the batch is the same, the scores
 change only as the cost tables drift, so they are kept for up to `rescore_every` decisions: the off
 path costs about a tuple comparison per step.
