@@ -50,7 +50,8 @@ class BenchRow:
     # host ms per engine step by phase (`step`: the whole step; `draft`, `target`, `postprocess`)
     step_ms: dict[str, float] | None = None
     tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
-    # adaptive speculation, after the run: the policy's predicted step ms per tier at this batch, the
+    # adaptive speculation, after the run: the policy's predicted step ms per tier at this batch (and
+    # the measured wall ms of the steps each tier ran at it, `measured_step_ms`), the
     # pooled per-position acceptance (and its evidence), probes, predicted vs measured goodput
     adaptive: dict | None = None
 
@@ -293,7 +294,7 @@ def _time_engine(
         return seconds, accept, phases.ms_per_step(), None, None
     tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}
     used = {name: n for name, n in tiers.items() if n}
-    return seconds, accept, phases.ms_per_step(), used, adaptive.diagnostics()
+    return seconds, accept, phases.ms_per_step(), used, adaptive.diagnostics(len(prompts))
 
 
 def _load_hf(llm):
@@ -376,10 +377,15 @@ def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
         d = r.adaptive
         if not d:
             continue
-        cost = " ".join(f"{name}:{ms:.2f}" for name, ms in d["step_ms"].items())
+        measured = d.get("measured_step_ms", {})
+        cost = " ".join(
+            f"{name}:{ms:.2f}" + (f"/{measured[name]:.2f}" if name in measured else "")
+            for name, ms in d["step_ms"].items()
+        )
         accept = " ".join(f"{a:.2f}" for a in next(iter(d["pooled_acceptance"].values()), []))
         lines.append(
-            f"adaptive {r.system} b{r.batch_size}: now {d['current']}; ms/step {cost}; accept/pos {accept}; "
+            f"adaptive {r.system} b{r.batch_size}: now {d['current']}; ms/step at b{d['batch']} "
+            f"(predicted/measured) {cost}; accept/pos {accept}; "
             f"probes {d['probes_won']}/{d['probes']} won (every {d['probe_interval']}); "
             f"goodput pred {d['predicted_goodput']:,.0f} meas {d['measured_goodput']:,.0f} tok/s"
         )

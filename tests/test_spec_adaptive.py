@@ -9,7 +9,7 @@ import pytest
 
 from specserve.spec.acceptance import AcceptanceTracker, expected_tokens
 from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier, default_tiers
-from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 MS = 1e-3
 
@@ -142,7 +142,7 @@ def test_hysteresis_waits_for_a_steady_winner():
 def test_probe_while_off_and_goodput_average():
     costs = _gpu_like_costs()
     acceptance = AcceptanceTracker(4, prior=0.01)
-    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, probe_every=4)
+    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, probe_every=4, probe_share=1.0)
     tiers = [policy.decide(["a"]).tier for _ in range(8)]
     assert tiers == [OFF, OFF, OFF, Tier.chain(4), OFF, OFF, OFF, Tier.chain(4)]
     assert policy.current == OFF and policy.switches == 0
@@ -292,3 +292,129 @@ def test_diagnostics_name_every_tier_and_position():
     d = policy.diagnostics()
     assert set(d["step_ms"]) == {"off", "1", "2", "4", "8"} and len(d["pooled_acceptance"][1]) == 8
     assert d["step_ms"]["8"] == pytest.approx(1.4)  # 1.2 ms verify + one 0.2 ms lookup
+
+
+# ---- issue 9, H100 at batch 16/64: predicted step costs must be the wall-clock ones -------------------
+
+
+def test_residual_starts_at_the_first_gap_and_grows_with_the_batch():
+    """Host work a profile misses: the first live step's gap counts whole (not a fifth of it), and a
+    batch between or past the measured ones gets it in proportion to where it lies."""
+    c = StepCosts(alpha=0.2)
+    c.profile(VERIFY, [(b, q) for b in (1, 4, 16, 64) for q in (1, 9)], lambda b, q: 1.0 * MS)
+    c.observe(VERIFY, 4, 9, 1.4 * MS)
+    assert c.residual(VERIFY, 4) == pytest.approx(0.4 * MS)
+    c.observe(VERIFY, 16, 9, 2.0 * MS)
+    assert c.residual(VERIFY, 10) == pytest.approx(0.7 * MS)  # between: linear
+    assert c.residual(VERIFY, 64) == pytest.approx(3.4 * MS)  # past: along the last segment
+    assert c.estimate(VERIFY, 64, 1) == pytest.approx(4.4 * MS)
+
+
+def test_plain_step_cost_borrows_the_profile_shape_not_the_batch_ratio():
+    """An overlapped plain step is measured live only. Before one ran, it costs the device pass (its
+    host work hides); past the batches measured, the nearest one plus what the profile adds."""
+    c = StepCosts()
+    device = {1: 0.6, 4: 0.65, 16: 0.9, 64: 1.7}
+    c.profile(VERIFY, [(b, 1) for b in device], lambda b, q: device[b] * MS)
+    assert c.knows(DECODE) and not c.measures(DECODE)
+    assert c.estimate(DECODE, 64, 1) == pytest.approx(1.7 * MS)
+    c.observe(DECODE, 16, 1, 1.3 * MS)
+    assert c.estimate(DECODE, 64, 1) == pytest.approx((1.3 + 1.7 - 0.9) * MS)  # not 4 x 1.3
+    c.observe(DECODE, 1, 1, 0.75 * MS)
+    assert c.estimate(DECODE, 4, 1) == pytest.approx((0.75 + (1.3 - 0.75) * 3 / 15) * MS)
+
+
+class _H100Clock:
+    """Issue 9's H100 run, scripted: wall ms of an overlapped plain step and of a speculative step by
+    phase at batch 1 and 64 (mixed workload rows); a profile sees 70% of the target phase."""
+
+    PLAIN = {1: 0.75, 64: 2.52}
+    SPEC = {1: (0.03, 1.42, 0.06), 64: (0.49, 3.32, 1.59)}  # draft, target, postprocess (8-chain)
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def profile(self, costs: StepCosts) -> None:
+        costs.profile(VERIFY, [(self.batch, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 0.7 * self.SPEC[b][1] * MS)
+        costs.profile(DRAFT, [(self.batch, 1)], lambda b, w: self.SPEC[b][0] * MS)
+
+    def run(self, policy: AdaptivePolicy, match: float, follow: float, steps: int, rng) -> tuple[float, float]:
+        """Tokens and scripted seconds of `steps` decisions, each step's cost fed back as the engine does."""
+        ids, tokens, seconds = [f"r{i}" for i in range(self.batch)], 0, 0.0
+        for _ in range(steps):
+            decision = policy.decide(ids)
+            if decision.tier.off:
+                step = self.PLAIN[self.batch] * MS
+                emitted = self.batch
+                policy.costs.observe(DECODE, self.batch, 1, step)
+            else:
+                draft, target, post = (ms * MS for ms in self.SPEC[self.batch])
+                step, emitted = draft + target + post, 0
+                for rid, n in decision.steps.items():
+                    accepted = 0
+                    if rng.random() < match:
+                        while accepted < n and rng.random() < follow:
+                            accepted += 1
+                    policy.acceptance.observe(rid, 1, n, accepted)
+                    emitted += accepted + 1
+                policy.costs.observe(VERIFY, self.batch, decision.tier.query_len, target + post)
+                policy.costs.observe(DRAFT, self.batch, 1, draft)
+                if decision.tier != policy.current:
+                    policy.observe_probe(emitted, step)
+            policy.observe_step(emitted, step)
+            tokens, seconds = tokens + emitted, seconds + step
+        return tokens, seconds
+
+
+def test_large_batch_where_speculation_really_loses_settles_off_within_plain():
+    """Batch 64: an 8-chain step costs 2.15 plain steps (host lookup, verify and postprocess that a
+    device profile misses), and drafts accept ~1.1 tokens each: the policy must settle on off, and
+    its probes and first steps may cost at most 5% against plain decoding."""
+    clock, rng = _H100Clock(64), random.Random(5)
+    costs = StepCosts()
+    clock.profile(costs)
+    policy = AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True)
+    tokens, seconds = clock.run(policy, 0.5, 0.7, 600, rng)
+    assert policy.current == OFF
+    plain = 64 / (clock.PLAIN[64] * MS)
+    assert tokens / seconds >= 0.95 * plain
+    d = policy.diagnostics(64)
+    assert d["step_ms"]["off"] == pytest.approx(2.52, rel=0.01)
+    assert d["step_ms"]["8"] == pytest.approx(5.4, rel=0.01)  # the wall step, host work included
+
+
+def test_batch_1_where_speculation_wins_picks_the_deep_chain_and_its_throughput():
+    clock, rng = _H100Clock(1), random.Random(6)
+    costs = StepCosts()
+    clock.profile(costs)
+    policy = AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True)
+    tokens, seconds = clock.run(policy, 0.8, 0.9, 400, rng)
+    assert policy.current == Tier.chain(8)
+    static = AdaptivePolicy([Tier.chain(8)], StepCosts(), AcceptanceTracker(8), draft_per_step=False)
+    static_tokens, static_seconds = _H100Clock(1).run(static, 0.8, 0.9, 400, random.Random(6))
+    assert tokens / seconds >= 0.9 * static_tokens / static_seconds
+
+
+def test_an_ngram_request_drafts_the_full_depth_after_a_miss():
+    """A lookup costs the same however deep: a request fresh from misses still drafts the tier's
+    depth (a model drafter's request is cut to the positions it reaches)."""
+    acceptance = AcceptanceTracker(8)
+    for _ in range(5):
+        acceptance.observe("a", 1, 8, 0)
+    ngram = AdaptivePolicy([Tier.chain(8)], _h100_costs(), acceptance, draft_per_step=False)
+    assert ngram.decide(["a"]).steps == {"a": 8}
+    model = AdaptivePolicy([Tier.chain(8)], _h100_costs(), acceptance)
+    assert model.decide(["a"]).steps["a"] < 8
+
+
+def test_probes_are_spaced_by_their_cost_against_decoding():
+    """A probe dearer than a decode step waits until its extra cost is `probe_share` of the time off."""
+    c = StepCosts()
+    c.profile(VERIFY, [(64, q) for q in (1, 2, 3, 5, 9)], lambda b, q: (2.5 if q == 1 else 5.0) * MS)
+    c.profile(DRAFT, [(64, 1)], lambda b, w: 0.5 * MS)
+    policy = AdaptivePolicy(default_tiers(8), c, AcceptanceTracker(8), draft_per_step=False, probe_every=4, probe_share=0.02)
+    tiers = _bimodal(policy, 0.0, 0.0, 64, 300, random.Random(7))
+    off_since = tiers.index(OFF)  # the policy starts on its optimistic prior, then goes off
+    probes = [i for i, t in enumerate(tiers) if t != OFF and i > off_since]
+    gaps = [b - a for a, b in zip([off_since - 1, *probes], probes)]
+    assert gaps and min(gaps) >= int((5.5 - 2.5) / (0.02 * 2.5))  # 60 steps off per probe, not 4

@@ -7,7 +7,9 @@ hopeless), within what it may still emit. Each verify tells the acceptance estim
 request's draft got against the budget it was given: a drafter proposing less than the budget (an
 n-gram lookup without a match) counts as rejected there, since one token is all the step made of it.
 Each step's host times refine the cost tables: a step of decodes and verifies only (no prefill chunk)
-is a target pass of its batch and its widest request, less its draft phase, which is `num_steps`
+is a target pass of its batch at its tier's width (the CUDA-graph bucket the tier pads to; a step
+whose lookups found shorter drafts was cheaper, and that is what the tier costs on average: keyed by
+its widest draft instead, e.g. 7, the measurement fed a shape no tier is priced at), less its draft phase, which is `num_steps`
 draft steps (one, for an n-gram lookup, whose cost does not grow with depth), and less its `settle` phase: before a speculative step the engine settles the plain
 step still in flight (drafting needs its tokens), a wait for the device that belongs to that step.
 Charged to the draft phase (as it was), it made every probe's draft look a whole decode step dear,
@@ -64,6 +66,8 @@ class AdaptiveSpeculation:
         self._probe = False  # this step runs a probe (a tier other than the policy's standing one)
         self._emitted = 0  # tokens this step's verifies emitted
         self._decoding = 0  # requests decoding this step (its items, unless a prefill rides along)
+        # (tier name, batch) -> [steps, seconds]: measured wall time of whole steps, for diagnostics
+        self._walls: dict[tuple[str, int], list[float]] = {}
 
     @property
     def overlapped_off(self) -> bool:
@@ -109,7 +113,11 @@ class AdaptiveSpeculation:
             return
         self.policy.observe_step(stats.generation_tokens, seconds)
         if self._probe:
-            self.policy.observe_probe(self._emitted)
+            self.policy.observe_probe(self._emitted, seconds - phases.get("settle", 0.0))
+        if len(items) == self._decoding:
+            wall = self._walls.setdefault((self.tier.name, len(items)), [0, 0.0])
+            wall[0] += 1
+            wall[1] += seconds
         if self.tier.off:
             if len(items) != self._decoding:  # a prefill chunk rode along: not a decode step's cost
                 return
@@ -118,7 +126,7 @@ class AdaptiveSpeculation:
             return
         drafting = phases.get("draft", 0.0)
         if all(item.num_known == 1 and item.completes for item in items):
-            width = max(item.num_tokens for item in items)
+            width = max(self.tier.query_len, max(item.num_tokens for item in items))
             self.costs.observe(VERIFY, len(items), width, seconds - drafting - phases.get("settle", 0.0))
         if self._budgets and drafting > 0:
             per = self.tier.num_steps if self.policy.draft_per_step else 1
@@ -132,11 +140,18 @@ class AdaptiveSpeculation:
         """The policy's standing tier (not a probe's), for the metrics."""
         return settings_of(self.policy.current or self.tier)
 
-    def diagnostics(self) -> dict:
-        """For benchmark reports: the policy's cost table and pooled acceptance at the last batch,
-        the probe record, and the predicted beside the measured goodput (tokens/s)."""
+    def diagnostics(self, batch: int | None = None) -> dict:
+        """For benchmark reports: the policy's cost table and pooled acceptance at `batch` (default:
+        the last decision's), beside the mean wall ms of the steps each tier ran at that batch
+        (`measured_step_ms`: what the predictions must match), the probe record, and the predicted
+        beside the measured goodput (tokens/s)."""
+        d = self.policy.diagnostics(batch)
+        measured = {
+            name: round(total / steps * 1e3, 4) for (name, b), (steps, total) in self._walls.items() if b == d["batch"]
+        }
         return {
-            **self.policy.diagnostics(),
+            **d,
+            "measured_step_ms": {t.name: measured[t.name] for t in self.tiers if t.name in measured},
             "predicted_goodput": round(self.predicted_goodput, 1),
             "measured_goodput": round(self.policy.measured_goodput, 1),
         }

@@ -24,7 +24,10 @@ while 8-deep drafts doubled throughput. A probe that emits fewer tokens than dec
 the probe's predicted time loses, and each loss doubles the probe interval (up to
 `max_probe_every`): on text no drafter predicts, probes (a synchronous step, the overlapped one
 before it settled first) fade to a negligible share of the steps. A probe that wins restores
-`probe_every`, and its evidence lifts the estimates, so the policy switches back on.
+`probe_every`, and its evidence lifts the estimates, so the policy switches back on. A probe is
+judged on its measured time (not its predicted one: priced too cheap, probes at batch 64 "won" and
+switched the policy on where speculation lost), and one dearer than a decode step waits until its
+extra time is at most `probe_share` of the steps off since the last one.
 
 The measured goodput (tokens emitted per second of step, an EMA) sits beside the predicted one for
 the metrics; `diagnostics` gives the cost table, the pooled estimates and the probe record for
@@ -32,7 +35,8 @@ benchmark reports.
 
 Scoring reads each request's rates once: its expected tokens for every draft depth are prefix sums
 of its reach (the chance draft j survives), which never rises with depth, so its draft steps in a
-tier are min(depth, positions it reaches with odds of at least `min_reach`) and every tier's score is
+tier are min(depth, positions it reaches with odds of at least `min_reach`) for a model drafter (the
+tier's depth for an n-gram lookup, which costs the same however deep) and every tier's score is
 a lookup. While nothing was verified since (speculation off) and the batch is the same, the scores
 change only as the cost tables drift, so they are kept for up to `rescore_every` decisions: the off
 path costs about a tuple comparison per step.
@@ -112,6 +116,7 @@ class AdaptivePolicy:
         probe_z: float = 1.0,
         overlapped_off: bool = False,
         draft_per_step: bool = True,
+        probe_share: float = 0.03,
     ) -> None:
         if not tiers:
             raise ValueError("tiers: at least one")
@@ -121,7 +126,7 @@ class AdaptivePolicy:
         self.probe_every, self.goodput_alpha = probe_every, goodput_alpha
         self.max_probe_every = max_probe_every or 8 * probe_every
         self.probe_z, self.overlapped_off, self.draft_per_step = probe_z, overlapped_off, draft_per_step
-        self.rescore_every = rescore_every
+        self.rescore_every, self.probe_share = rescore_every, probe_share
         self._scored: _Scores | None = None
         self._scored_age = 0
         self.current: Tier | None = None
@@ -140,7 +145,7 @@ class AdaptivePolicy:
         return self._score(tuple(request_ids)).goodput[tier]
 
     def step_seconds(self, tier: Tier, batch: int) -> float:
-        if tier.off and self.overlapped_off and self.costs.measures(DECODE):
+        if tier.off and self.overlapped_off and self.costs.knows(DECODE):
             return self.costs.estimate(DECODE, batch, 1)
         seconds = self.costs.estimate(VERIFY, batch, tier.query_len)
         if not tier.off:
@@ -182,14 +187,17 @@ class AdaptivePolicy:
             old = self.measured_goodput
             self.measured_goodput = rate if old == 0 else old + self.goodput_alpha * (rate - old)
 
-    def observe_probe(self, tokens: int) -> None:
-        """The probe step just run emitted `tokens` over its requests: won when at least what decoding
-        would have emitted in the probe's predicted time (interval back to `probe_every`), else lost
-        (interval doubled, up to `max_probe_every`)."""
+    def observe_probe(self, tokens: int, seconds: float | None = None) -> None:
+        """The probe step just run emitted `tokens` over its requests in `seconds` (its draft and
+        verify; None: as predicted): won when at least what decoding would have emitted in that
+        time (interval back to `probe_every`), else lost (interval doubled, up to
+        `max_probe_every`). Judged on the measured time, so a probe priced too cheap cannot win."""
         if self._probing is None:
             return
-        _, needed = self._probing
+        tier, needed = self._probing
         self._probing = None
+        if seconds is not None and seconds > 0:
+            needed *= seconds / self.step_seconds(tier, self.last_batch or 1)
         self.probes += 1
         if tokens >= needed:
             self.probes_won += 1
@@ -222,7 +230,11 @@ class AdaptivePolicy:
         for topk in {t.topk for t in self.tiers if not t.off}:
             rows = []
             for rid, rates in self.acceptance.rates_of(ids, topk).items():
-                reach_count = sum(1 for p in reach(rates) if p >= self.min_reach)
+                # A lookup costs the same however deep: only a model drafter's depth is cut per request
+                # (cut, an n-gram request fresh from a miss drafted 3 when its match ran on for 8).
+                reach_count = (
+                    sum(1 for p in reach(rates) if p >= self.min_reach) if self.draft_per_step else len(rates)
+                )
                 rows.append((rid, expected_prefix(rates), reach_count))
             per_request[topk] = rows
         for tier in self.tiers:
@@ -252,17 +264,23 @@ class AdaptivePolicy:
         speculative = [t for t in self.tiers if not t.off]
         if self._since_probe < self.probe_interval or not speculative or not scored.ids:
             return None
-        self._since_probe = 0
         batch = len(scored.ids)
         # Only a tier that could win were every draft accepted is worth a probe (at a large batch,
         # where drafting and a wide verify cost several decode steps, none may be).
         off_rate = scored.goodput[self.current]
         hopeful = [t for t in speculative if batch * t.query_len / self.step_seconds(t, batch) > off_rate]
         if not hopeful:
+            self._since_probe = 0
             return None
         tier = max(hopeful, key=lambda t: self._upper_goodput(t, batch))
+        # A probe that loses costs its step beyond a decode step: probe seldom enough that this
+        # stays within `probe_share` of the time off (at batch 64 a probe costs ~2 decode steps).
+        seconds, off_seconds = self.step_seconds(tier, batch), batch / off_rate
+        if self._since_probe * self.probe_share * off_seconds < seconds - off_seconds:
+            return None  # not yet: the steps off keep counting
+        self._since_probe = 0
         # To win, it must emit what decoding would in the probe's time.
-        self._probing = (tier, off_rate * self.step_seconds(tier, batch))
+        self._probing = (tier, off_rate * seconds)
         return tier
 
     def _update(self, best: Tier, scores: dict[Tier, float]) -> bool:

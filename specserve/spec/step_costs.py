@@ -13,11 +13,24 @@ the smallest, its cost: small batches are bound by launches, not by size), so on
 buckets covers every batch in between.
 
 A profile times the device pass alone (input building, launch, sync); a live step adds its host
-work (verify, postprocess), which does not depend on the draft length much. So each live
-measurement of a profiled shape also updates that kind's residual at its batch (measured minus
-profiled, an average), and a profiled shape not yet measured live is estimated as its profile plus
-the residual: otherwise the shapes the engine never ran would look cheaper than those it did, and
-the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
+work (verify, compaction, postprocess), which grows with the batch but hardly with the draft length.
+So each live measurement of a profiled shape also updates that kind's residual at its batch
+(measured minus profiled, an average that starts at the first gap, not at 0: issue 9's H100 run
+had the policy price a 64-request verify at a fifth of its host work for its first steps), and a
+profiled shape not yet measured live is estimated as its profile plus the residual, interpolated
+in batch between the batches that measured one (past them: along the last segment; host work
+grows with the batch, so the nearest batch's residual alone priced a 64-request verify like a
+16-request one). Otherwise the shapes the engine never ran would look cheaper than those it did,
+and the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
+
+A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
+shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
+cost plus what the profile adds from there. Scaled in proportion to the batch instead, the plain
+step measured at 16 requests priced the one at 64 at 2.1x what it costs, and every speculative
+tier looked cheap beside it (issue 9, batch 64: adaptive at 0.49x plain). Before any of its steps
+was measured, it costs the borrowed kind's profile alone: an overlapped plain step hides its host
+work behind the device pass, so a synchronous one-token pass with the verify's host work on top
+priced it at up to 1.7x its cost (the policy at batch 1 and 4 had never run a plain step).
 """
 
 from __future__ import annotations
@@ -33,8 +46,11 @@ class StepCosts:
     `default`: seconds a kind's unmeasured shape is assumed to cost per token (batch * width) when no
     shape of its width was measured at all; an engine replaces it within the first steps."""
 
-    def __init__(self, alpha: float = 0.2, default: float = 1e-3) -> None:
+    def __init__(
+        self, alpha: float = 0.2, default: float = 1e-3, shape_of: dict[str, str] | None = None
+    ) -> None:
         self.alpha, self.default = alpha, default
+        self.shape_of = {DECODE: VERIFY} if shape_of is None else shape_of
         self._table: dict[tuple[str, int], dict[int, float]] = {}
         self._profiled: dict[tuple[str, int], dict[int, float]] = {}
         self._live: set[tuple[str, int, int]] = set()  # (kind, width, batch) measured while serving
@@ -51,8 +67,8 @@ class StepCosts:
         if profiled:
             residuals = self._residual.setdefault(kind, {})
             gap = seconds - _interpolate(profiled, batch)
-            old_gap = residuals.get(batch, 0.0)
-            residuals[batch] = old_gap + self.alpha * (gap - old_gap)
+            old_gap = residuals.get(batch)
+            residuals[batch] = gap if old_gap is None else old_gap + self.alpha * (gap - old_gap)
 
     def profile(self, kind: str, shapes: Iterable[tuple[int, int]], run: Callable[[int, int], float]) -> None:
         """Measure each (batch, width) with `run` (seconds) and take it as is."""
@@ -67,26 +83,44 @@ class StepCosts:
         """Whether any shape of `kind` has a cost (profiled or measured)."""
         return any(k == kind and row for (k, _), row in self._table.items())
 
+    def knows(self, kind: str) -> bool:
+        """Whether `kind` has a cost of its own: measured, or the profile whose shape it borrows."""
+        borrowed = self.shape_of.get(kind)
+        return self.measures(kind) or any(k == borrowed and row for (k, _), row in self._profiled.items())
+
     def estimate(self, kind: str, batch: int, width: int) -> float:
         row = self._table.get((kind, width))
         if not row:
+            shape = self._profiled.get((self.shape_of.get(kind, ""), width))
+            if shape and not self.measures(kind):  # a live-only kind not yet run: the device pass
+                return _interpolate(shape, batch)
             return self._unmeasured(kind, batch, width)
         if (kind, width, batch) in self._live:
             return row[batch]
         profiled = self._profiled.get((kind, width))
         if profiled:  # the profile, and what live steps of this kind cost beyond their profile
             return max(_interpolate(profiled, batch) + self.residual(kind, batch), 1e-9)
-        return _interpolate(row, batch)
+        return self._borrow_shape(kind, width, row, batch)
 
     def residual(self, kind: str, batch: int) -> float:
-        """Seconds live steps of `kind` took beyond their profile, at the nearest measured batch."""
+        """Seconds live steps of `kind` took beyond their profile: linear in batch between the batches
+        that measured one, along the last segment past them (never below 0 there)."""
         residuals = self._residual.get(kind)
         if not residuals:
             return 0.0
         if batch in residuals:
             return residuals[batch]
-        nearest = min(residuals, key=lambda b: max(b, batch) / min(b, batch))
-        return residuals[nearest]
+        return _interpolate(residuals, batch, affine=True)
+
+    def _borrow_shape(self, kind: str, width: int, row: dict[int, float], batch: int) -> float:
+        """A live-only shape: between measured batches linear; outside them the nearest measured cost
+        plus the difference `shape_of[kind]`'s profile (width 1) makes, else the affine extrapolation."""
+        sizes = sorted(row)
+        shape = self._profiled.get((self.shape_of.get(kind, ""), 1))
+        if sizes[0] <= batch <= sizes[-1] or not shape:
+            return _interpolate(row, batch, affine=True)
+        nearest = sizes[0] if batch < sizes[0] else sizes[-1]
+        return max(row[nearest] + _interpolate(shape, batch) - _interpolate(shape, nearest), 1e-9)
 
     def _unmeasured(self, kind: str, batch: int, width: int) -> float:
         """From the nearest measured width of the same kind, in proportion to tokens; else the default."""
@@ -101,14 +135,25 @@ class StepCosts:
         return {(k, b, w): s for (k, w), row in self._table.items() for b, s in row.items()}
 
 
-def _interpolate(row: dict[int, float], batch: int) -> float:
+def _interpolate(row: dict[int, float], batch: int, affine: bool = False) -> float:
+    """Linear between measured batches; below the smallest its value (a smaller batch is bound by
+    launches as the smallest measured one is); past the largest in proportion to the batch (a
+    profile's passes: by then compute-bound), or with `affine` along the last segment, never
+    falling (host work and live steps: a fixed part and a part per request)."""
     if batch in row:
         return row[batch]
     sizes = sorted(row)
     i = bisect.bisect_left(sizes, batch)
-    if i == 0:  # a smaller batch is bound by launches as the smallest measured one is
+    if i == 0:
         return row[sizes[0]]
     if i == len(sizes):
-        return row[sizes[-1]] * batch / sizes[-1]
+        last = row[sizes[-1]]
+        if not affine:
+            return last * batch / sizes[-1]
+        if len(sizes) == 1:
+            return last
+        lo = sizes[-2]
+        slope = max((last - row[lo]) / (sizes[-1] - lo), 0.0)
+        return last + slope * (batch - sizes[-1])
     lo, hi = sizes[i - 1], sizes[i]
     return row[lo] + (row[hi] - row[lo]) * (batch - lo) / (hi - lo)
