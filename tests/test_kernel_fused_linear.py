@@ -86,9 +86,12 @@ COMBOS = {
 GEMV_SHAPES = {1: (40, 72), 2: (37, 100), 3: (24, 64), 4: (33, 136)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# fp32 at one row only: the interpreter's time per case is what CI pays for this matrix.
+GEMV_ROW_DTYPES = [(1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16), (4, torch.bfloat16)]
+
+
 @pytest.mark.parametrize("combo", COMBOS, ids=list(COMBOS))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("rows", "dtype"), GEMV_ROW_DTYPES, ids=lambda v: str(v).removeprefix("torch."))
 def test_gemv_matches_the_modules_in_turn(rows, combo, dtype):
     """The GEMV form, as `fused_linear` picks it at 1-4 rows, every feature combination; the odd
     rows with K in several chunks and column blocks of 4 or 1 instead."""
@@ -207,7 +210,7 @@ QKV_GEMV_BLOCKS = {  # (column block, K chunk): one chunk, and several with a co
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fusion", ["norm", "norm_bias", "plain", "bias"])
+@pytest.mark.parametrize("fusion", ["norm_bias", "plain"])  # norm and bias each: the other tests
 @pytest.mark.parametrize("blocks", QKV_GEMV_BLOCKS, ids=list(QKV_GEMV_BLOCKS))
 @pytest.mark.parametrize(
     ("rows", "heads", "kv_heads", "dim"), [(1, 3, 1, 16), (2, 4, 2, 8), (3, 3, 1, 12), (4, 2, 1, 32)]
