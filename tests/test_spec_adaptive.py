@@ -206,6 +206,9 @@ def _bimodal(policy: AdaptivePolicy, match: float, follow: float, batch: int, st
     for _ in range(steps):
         decision = policy.decide(ids)
         tiers.append(decision.tier)
+        if decision.tier.off:  # a plain step costs what it was priced at (the engine measures it)
+            kind = DECODE if policy.overlapped_off else VERIFY
+            policy.costs.observe(kind, batch, 1, policy.step_seconds(decision.tier, batch))
         emitted = 0
         for rid, n in decision.steps.items():
             accepted = 0
@@ -418,3 +421,20 @@ def test_probes_are_spaced_by_their_cost_against_decoding():
     probes = [i for i, t in enumerate(tiers) if t != OFF and i > off_since]
     gaps = [b - a for a, b in zip([off_since - 1, *probes], probes)]
     assert gaps and min(gaps) >= int((5.5 - 2.5) / (0.02 * 2.5))  # 60 steps off per probe, not 4
+
+
+def test_a_plain_step_priced_from_a_slow_profile_is_measured_not_believed():
+    """Batch 1 where decoding beats speculation (few lookups match), but the start-up profile of the
+    one-token pass came out 2.5x slow (seen on the H100: a process whose first passes ran slow), so
+    an unmeasured plain step looks dear. The policy must run a plain step now and then until one at
+    this batch is measured, then settle on off: a price it never tests would stand for good."""
+    clock, rng = _H100Clock(1), random.Random(7)
+    costs = StepCosts()
+    clock.profile(costs)
+    costs.profile(VERIFY, [(1, 1)], lambda b, q: 2.5 * clock.PLAIN[1] * MS)  # the slow profile
+    policy = AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True)
+    assert policy.step_seconds(OFF, 1) > 2 * clock.PLAIN[1] * MS
+    tokens, seconds = clock.run(policy, 0.2, 0.5, 600, rng)
+    assert policy.current == OFF
+    assert policy.step_seconds(OFF, 1) == pytest.approx(clock.PLAIN[1] * MS, rel=0.01)
+    assert tokens / seconds >= 0.9 / (clock.PLAIN[1] * MS)

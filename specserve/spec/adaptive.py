@@ -258,8 +258,7 @@ class AdaptivePolicy:
         """A speculative tier to probe with, once every `probe_interval` steps with speculation off:
         the best under the upper confidence bounds of the pooled acceptance."""
         if not self.current.off:
-            self._since_probe = 0
-            return None
+            return self._probe_off(len(scored.ids))
         self._since_probe += 1
         speculative = [t for t in self.tiers if not t.off]
         if self._since_probe < self.probe_interval or not speculative or not scored.ids:
@@ -283,6 +282,23 @@ class AdaptivePolicy:
         self._probing = (tier, off_rate * seconds)
         return tier
 
+    def _probe_off(self, batch: int) -> Tier | None:
+        """While speculating: one plain step every `probe_every` steps until a plain step at this
+        batch has been measured. Until then its price is derived (the start-up profile of a
+        one-token pass, which on the H100 once came out 2.5x slow), and a tier the policy believes
+        dear it never runs, so the price would stand for good. No verdict: a measurement."""
+        off = next((t for t in self.tiers if t.off), None)
+        kind = DECODE if self.overlapped_off else VERIFY
+        if off is None or not batch or self.costs.measured_live(kind, batch, 1):
+            self._since_probe = 0
+            return None
+        self._since_probe += 1
+        if self._since_probe < self.probe_every:
+            return None
+        self._since_probe = 0
+        self._probing = None
+        return off
+
     def _update(self, best: Tier, scores: dict[Tier, float]) -> bool:
         if self.current is None:
             self.current = best
@@ -295,6 +311,7 @@ class AdaptivePolicy:
         if self._streak < self.patience:
             return False
         self.current, self._challenger, self._streak = best, None, 0
+        self._since_probe = 0  # each regime counts its own steps to its first probe
         self.switches += 1
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True

@@ -79,6 +79,10 @@ class StepCosts:
                 self._profiled.setdefault((kind, width), {})[batch] = seconds
                 self._live.discard((kind, width, batch))
 
+    def measured_live(self, kind: str, batch: int, width: int) -> bool:
+        """Whether this very shape has been measured while serving (not only profiled or derived)."""
+        return (kind, width, batch) in self._live
+
     def measures(self, kind: str) -> bool:
         """Whether any shape of `kind` has a cost (profiled or measured)."""
         return any(k == kind and row for (k, _), row in self._table.items())
