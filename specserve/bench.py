@@ -46,7 +46,7 @@ class BenchRow:
     new_tokens: int
     seconds: float
     tokens_per_s: float
-    accept_length: float | None = None  # completion tokens per verify step, with speculation
+    accept_length: float | None = None  # tokens a verify step emitted (accepted drafts + 1), with speculation
     # host ms per engine step by phase (`step`: the whole step; `draft`, `target`, `postprocess`)
     step_ms: dict[str, float] | None = None
     tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
@@ -288,8 +288,11 @@ def _time_engine(
         llm.engine.stats_sink = None
     seconds = time.perf_counter() - start
     assert all(len(o.token_ids) == new_tokens for o in outs)
+    # Tokens a verify step emitted (its accepted drafts and one more): counting every output token
+    # instead put an adaptive engine's plain steps' tokens over its verify steps (accept 15 of 8).
     verify_steps = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
-    accept = len(outs) * new_tokens / verify_steps if verify_steps else None
+    accepted = sum(o.meta.get("spec_accepted_tokens", 0) for o in outs)
+    accept = (accepted + verify_steps) / verify_steps if verify_steps else None
     if adaptive is None:
         return seconds, accept, phases.ms_per_step(), None, None
     tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}

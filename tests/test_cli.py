@@ -114,6 +114,10 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     }
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows.values())
     assert rows[("specserve-ngram-3", 3)]["accept_length"] >= 1
+    # accepted drafts + 1 per verify step: never past the chain's 3 + 1, plain steps' tokens aside
+    for b in (1, 3):
+        for system in ("specserve-ngram-3", "specserve-ngram-3-adaptive"):
+            assert rows[(system, b)]["accept_length"] is None or 1 <= rows[(system, b)]["accept_length"] <= 4
     assert report["systems"]["specserve-ngram-3x2x4"]["speculative"]["topk"] == 2
     assert rows[("specserve", 3)]["accept_length"] is None
     # where each engine step's host time went: the whole step, and drafting only with speculation
