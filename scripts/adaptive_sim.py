@@ -39,7 +39,8 @@ GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 PROFILE_SHARE = 0.7  # of a live target phase, the device pass a start-up profile times
 
 # H100 step ms by batch: plain = (wall step,), chain k = (draft, target, postprocess); and the
-# measured tok/s of plain and each chain (for comparison). From /work/notes/gpu-s6/adaptive/*.json.
+# measured tok/s of plain and each chain (for comparison). From the H100 run in docs/benchmarks.md
+# (fifth session, `adaptive_gpu.sh` before the cost-model fix).
 H100 = {
     "mt-bench": {
         "plain": {1: 0.741, 4: 1.156, 16: 1.194, 64: 2.213},
