@@ -13,6 +13,7 @@
 # Knobs (minutes are wall budgets of each phase's own work; loading and start-up come on top):
 #   DATA_MINUTES=2 WORKERS=4 EAGLE3_MINUTES=2.5 MTP_MINUTES=1.25 METHODS="eagle3 mtp"
 #   EAGLE3_ARGS / MTP_ARGS: extra train-draft flags, e.g. EAGLE3_ARGS="--draft-vocab 4096 --intermediate-size 768"
+#   or, to train a carried head further, EAGLE3_ARGS="--init-from .devcarry/heads/eagle3 --lr 3e-4 --min-lr-ratio 0.2"
 #   DEVICE=cpu SMOKE=1: a few steps of everything on the CPU, to check the script itself.
 #   EVAL_TOKENS=128: new tokens per MT-Bench prompt in each evaluation.
 #   GEN_BATCH=64: requests each data worker decodes together. The first run's 4 workers x 64 made
@@ -20,6 +21,8 @@
 #   time-slicing one GPU; WORKERS=1 GEN_BATCH=256 is the next thing to try.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
 #   KEEP_DATA=1: copy the answers (responses-W.npz, token ids only) to $OUT/data/, to carry to a later call.
+#   DATA_IN=DIR: DIR/responses-W.npz (a KEEP_DATA run's, same WORKERS) seed worker W's file, so its
+#   generation resumes after the prompts already answered instead of answering them again.
 #   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) as well as on
 #   those generated now; DATA_MINUTES=0 generates none.
 #   SPECSERVE_TRAIN_PROFILE=N: log a torch.profiler table of training step N (where a step's time goes).
@@ -85,6 +88,7 @@ if [ "$DATA_MINUTES" != "0" ]; then
   PIDS=()
   for ((w = 0; w < WORKERS; w++)); do
     RESPONSES+=("$WORK/responses-$w.npz")
+    [ -n "${DATA_IN:-}" ] && [ -f "$DATA_IN/responses-$w.npz" ] && cp "$DATA_IN/responses-$w.npz" "$WORK/"
     "${TRAIN[@]}" --phase data --data "$PROMPTS" --shard "$w/$WORKERS" --responses "$WORK/responses-$w.npz" \
       --data-minutes "$DATA_MINUTES" --out "$WORK" ${DATA[@]+"${DATA[@]}"} &
     PIDS+=($!)

@@ -346,6 +346,27 @@ def test_a_session_deadline_ends_a_run_that_the_same_command_resumes(target, dat
     assert train_head(target, samples, cfg, out, progress_bar=False, log=lambda _: None).progress.step == 3
 
 
+def test_a_run_can_start_from_a_trained_heads_weights(target, data, tmp_path):
+    """`--init-from`: a new run (own schedule and optimizer) starts from an exported head's weights,
+    its reduced vocabulary included; zero steps export the same tensors; a head of another shape is
+    refused, naming the flag."""
+    _, samples = data
+    shape = dict(method="eagle3", steps=2, tokens_per_batch=512, warmup_steps=1, draft_vocab=48)
+    quiet = dict(progress_bar=False, log=lambda _: None)
+    train_head(target, samples, TrainConfig(**shape, max_steps=3), tmp_path / "first", **quiet)
+    cfg = TrainConfig(**shape, max_steps=0, init_from=str(tmp_path / "first"), seed=5)
+    train_head(target, samples, cfg, tmp_path / "again", **quiet)
+    heads = [load_head(tmp_path / n, "eagle3", target.model, CPU, torch.float32) for n in ("first", "again")]
+    first, again = (h.state_dict() for h in heads)
+    assert set(first) == set(again) and all(torch.equal(first[n], again[n]) for n in first)
+    assert torch.equal(heads[0].draft_to_target, heads[1].draft_to_target)
+    more = train_head(target, samples, dataclasses.replace(cfg, max_steps=2), tmp_path / "more", **quiet)
+    assert more.progress.step == 2  # a fresh schedule, not a resume of "first"'s
+    wider = dataclasses.replace(cfg, draft_vocab=None)
+    with pytest.raises(ValueError, match="--init-from.*differs in shape"):
+        train_head(target, samples, wider, tmp_path / "wider", **quiet)
+
+
 def test_answer_samples_are_the_chat_prompt_then_the_answer(smollm2_gguf):
     """The `answers` phase: each question through the chat template, then the answer's ids and the
     end-of-turn token (none where the answer was cut); questions too long are skipped."""

@@ -76,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--loss-decay", type=float, default=0.8, help="step s's loss weighs DECAY**s")
     train.add_argument("--lr", type=float, default=3e-4)
     train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at LR x this"
+    )
+    train.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from this trained head's weights (same shape; a new schedule, not a resume)",
+    )
     train.add_argument("--tokens-per-batch", type=int, default=32768, help="padded tokens per batch")
     train.add_argument("--max-len", type=int, default=2048, help="tokens kept of each sample")
     train.add_argument("--num-modules", type=int, default=2, help="mtp: layers in the chain")
@@ -135,7 +144,12 @@ def _run(args: argparse.Namespace, phases: list[str]) -> int:
     if not rest:
         return 0
     loaded = _load(args)
-    phase_runs = (("answers", _answers_phase), ("data", _data_phase), ("train", _train_phase), ("eval", _eval_phase))
+    phase_runs = (
+        ("answers", _answers_phase),
+        ("data", _data_phase),
+        ("train", _train_phase),
+        ("eval", _eval_phase),
+    )
     for phase, run_phase in phase_runs:
         if phase in rest:
             run_phase(args, loaded, out)
@@ -249,6 +263,8 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         decay=args.loss_decay,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
+        min_lr_ratio=args.min_lr_ratio,
+        init_from=args.init_from,
         tokens_per_batch=args.tokens_per_batch,
         max_len=args.max_len,
         max_steps=max_steps,

@@ -57,6 +57,7 @@ class TrainConfig:
     save_dtype: str = "bfloat16"
     seed: int = 0
     compile: bool = False  # torch.compile the head's step modules (`compile_head`)
+    init_from: str | None = None  # a head folder of the same shape to start from (not a resume)
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_minutes is None:
@@ -128,12 +129,13 @@ def train_head(
         compile_head(head)
     state = load_state(out, device) if resume else None
     draft_ids = None
+    if state is None and cfg.init_from is not None:
+        draft_ids = _initialise_from(head, loaded, cfg, device, log)
     if cfg.draft_vocab is not None and head.spec.draft_vocab_size is not None:
-        draft_ids = (
-            state["draft_ids"]
-            if state
-            else draft_vocabulary(samples, cfg.draft_vocab, loaded.arch.vocab_size)
-        )
+        if state:
+            draft_ids = state["draft_ids"]
+        elif draft_ids is None:
+            draft_ids = draft_vocabulary(samples, cfg.draft_vocab, loaded.arch.vocab_size)
         head.draft_to_target = draft_ids.to(device)
     t2d = None
     if draft_ids is not None:
@@ -200,6 +202,27 @@ def train_head(
         result.step_losses if result else (),
         result.step_accuracy if result else (),
     )
+
+
+def _initialise_from(
+    head: DraftHead, loaded: LoadedModel, cfg: TrainConfig, device: torch.device, log
+) -> torch.Tensor | None:
+    """Copy a trained head's weights into `head` (a new schedule and optimizer: more training of a
+    head whose run's state is gone, e.g. made on a machine since given back). Its shape must be
+    the recipe's; a reduced vocabulary comes with it. Returns the head's draft ids, if reduced."""
+    from specserve.model.head_checkpoint import load_head
+
+    trained = load_head(cfg.init_from, cfg.method, loaded.model, device, torch.float32)
+    mine, theirs = head.state_dict(), trained.state_dict()
+    wrong = sorted(n for n in mine if n not in theirs or theirs[n].shape != mine[n].shape)
+    if wrong or set(theirs) - set(mine):
+        raise ValueError(
+            f"train: --init-from {cfg.init_from}: its head differs in shape from this recipe's "
+            f"({', '.join(wrong or sorted(set(theirs) - set(mine)))})"
+        )
+    head.load_state_dict(theirs)
+    log(f"train: initialised from the head in {cfg.init_from}")
+    return None if trained.draft_to_target is None else trained.draft_to_target.cpu()
 
 
 @contextlib.contextmanager
