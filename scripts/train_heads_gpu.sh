@@ -41,7 +41,7 @@ DATA_MINUTES=${DATA_MINUTES:-2}
 WORKERS=${WORKERS:-4}
 EAGLE3_MINUTES=${EAGLE3_MINUTES:-2.5}
 MTP_MINUTES=${MTP_MINUTES:-1.25}
-METHODS=${METHODS:-eagle3 mtp}
+METHODS=${METHODS-eagle3 mtp}  # set but empty: no training (data only)
 PROMPTS=${PROMPTS:-.devcarry/train/prompts.jsonl.gz}
 mkdir -p "$OUT" "$WORK"
 [ -z "${RESUME:-}" ] && rm -rf "${WORK:?}"/*
