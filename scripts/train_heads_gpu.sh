@@ -21,6 +21,8 @@
 #   time-slicing one GPU; WORKERS=1 GEN_BATCH=256 is the next thing to try.
 #   GPU_TEST=1: run tests/test_train_draft.py's gpu-marked test first.
 #   KEEP_DATA=1: copy the answers (responses-W.npz, token ids only) to $OUT/data/, to carry to a later call.
+#   GEN_TEMPERATURE=0.8: sampled answers, not greedy ones (a second look at the target's distribution
+#   over the same prompts, where greedy answers to every prompt are already in hand).
 #   DATA_IN=DIR: DIR/responses-W.npz (a KEEP_DATA run's, same WORKERS) seed worker W's file, so its
 #   generation resumes after the prompts already answered instead of answering them again.
 #   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) as well as on
@@ -62,7 +64,7 @@ TRAIN=(python3 -P -m specserve.cli train-draft --device "$DEVICE" --no-progress)
 # 128 new tokens per MT-Bench prompt: the first run's evaluation at 256 used up the call before MTP trained.
 EVAL=(--eval-steps 5 --eval-temperatures 0,0.7 --eval-tree 8:32 --eval-tree 4:16 --eval-max-new-tokens "${EVAL_TOKENS:-128}")
 STEPS=()
-DATA=(--gen-batch "${GEN_BATCH:-64}")
+DATA=(--gen-batch "${GEN_BATCH:-64}" --gen-temperature "${GEN_TEMPERATURE:-0}")
 if [ -n "${SMOKE:-}" ]; then  # every phase, tiny: checks the script, measures nothing
   DATA+=(--num-prompts 8 --max-new-tokens 24)
   STEPS=(--max-steps 2 --tokens-per-batch 1024)

@@ -367,6 +367,25 @@ def test_a_run_can_start_from_a_trained_heads_weights(target, data, tmp_path):
         train_head(target, samples, wider, tmp_path / "wider", **quiet)
 
 
+def test_answers_are_cut_a_few_tokens_into_their_first_loop():
+    """`--cut-loops N`: an answer that falls into a loop keeps N tokens of it; one that never
+    repeats an N-gram, and the prompts, stay whole."""
+    from specserve.train.data import append, cut_loops, empty_samples
+
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5]  # repeats, but prompts are never cut
+    fresh = list(range(10, 30))
+    looped = fresh[:10] + [7, 8, 9, 6, 5] * 10  # the 5-gram 7..5 recurs at answer position 15
+    short_repeat = fresh[:5] + [40, 41, 40, 41] + fresh[5:]  # 2-grams recur, 5-grams do not
+    samples = append(
+        empty_samples(), [(prompt + a, len(prompt), i) for i, a in enumerate((fresh, looped, short_repeat))]
+    )
+    cut = cut_loops(samples, 5)
+    assert cut.sample(0).tolist() == prompt + fresh
+    assert cut.sample(1).tolist() == prompt + looped[: 15 + 5]
+    assert cut.sample(2).tolist() == prompt + short_repeat
+    assert cut.prompt_index.tolist() == [0, 1, 2] and cut_loops(samples, 0) is samples
+
+
 def test_answer_samples_are_the_chat_prompt_then_the_answer(smollm2_gguf):
     """The `answers` phase: each question through the chat template, then the answer's ids and the
     end-of-turn token (none where the answer was cut); questions too long are skipped."""

@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="end this run after this long (snapshot saved; the schedule stays --max-minutes'/--max-steps')",
     )
+    train.add_argument(
+        "--cut-loops",
+        type=int,
+        default=16,
+        metavar="N",
+        help="cut each answer N tokens into its first loop (a recurring N-gram); 0 keeps them whole",
+    )
     train.add_argument("--unroll", type=int, default=6, help="chain steps unrolled per batch")
     train.add_argument("--loss-decay", type=float, default=0.8, help="step s's loss weighs DECAY**s")
     train.add_argument("--lr", type=float, default=3e-4)
@@ -247,7 +254,7 @@ def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
 
 
 def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
-    from specserve.train.data import load_all
+    from specserve.train.data import cut_loops, load_all
     from specserve.train.trainer import TrainConfig, train_head
 
     max_steps, max_minutes = args.max_steps, args.max_minutes
@@ -275,6 +282,12 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         compile=args.compile,
     )
     samples = load_all(_responses_paths(args, out))
+    cut = cut_loops(samples, args.cut_loops)
+    print(
+        f"train: {int(cut.lengths.sum() - cut.prompt_lens.sum())} answer tokens of "
+        f"{int(samples.lengths.sum() - samples.prompt_lens.sum())} kept (--cut-loops {args.cut_loops})"
+    )
+    samples = cut
     session = args.session_minutes * 60 if args.session_minutes else None
     train_head(
         loaded,

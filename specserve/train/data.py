@@ -102,6 +102,42 @@ def load_all(paths: Sequence[str | Path]) -> Samples:
     )
 
 
+def cut_loops(samples: Samples, ngram: int) -> Samples:
+    """Each answer cut `ngram` tokens into its first loop: where an `ngram`-gram recurs that already
+    occurred earlier in the answer. A small target's greedy answers often end in a loop it repeats
+    to the token limit (more than half of SmolLM2-135M's ShareGPT answers, two thirds of their
+    tokens); those tokens are trivial to predict, so uncut they fill the batches, inflate training
+    accuracy (0.85 on them against 0.6 on MT-Bench answers) and teach the head little. The loop's
+    first `ngram` tokens stay: a head must still learn to follow a repetition. 0: unchanged."""
+    if ngram <= 0:
+        return samples
+    lengths = samples.lengths.copy()
+    for i, (start, prompt) in enumerate(zip(samples.starts, samples.prompt_lens, strict=True)):
+        answer = samples.tokens[start + prompt : start + lengths[i]]
+        loop = _loop_start(answer, ngram)
+        if loop is not None:
+            lengths[i] = min(lengths[i], prompt + loop + ngram)
+    keep = np.zeros(len(samples.tokens), dtype=bool)
+    for start, length in zip(samples.starts, lengths, strict=True):
+        keep[start : start + length] = True
+    return Samples(samples.tokens[keep], lengths, samples.prompt_lens, samples.prompt_index, samples.meta)
+
+
+def _loop_start(ids: np.ndarray, n: int) -> int | None:
+    """The first position whose n-gram occurred at an earlier position, or None (64-bit rolling
+    hashes of every window; a false match needs a hash collision)."""
+    if len(ids) <= n:
+        return None
+    windows = len(ids) - n + 1
+    h = np.zeros(windows, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(n):
+            h = h * np.uint64(1_000_003) + ids[j : j + windows].astype(np.uint64)
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    repeats = np.nonzero(first[inverse] < np.arange(windows))[0]
+    return int(repeats[0]) if len(repeats) else None
+
+
 def load_samples(path: str | Path) -> Samples:
     """A `responses.npz`, or a folder holding one."""
     path = Path(path)
