@@ -143,7 +143,7 @@ class AdaptiveSettings(BaseModel):
         _adaptive_default("pooled_alpha"),
         gt=0,
         le=1,
-        description="Fade of the acceptance evidence pooled over all requests (the prior of a new request).",
+        description="Fade per step of the acceptance evidence pooled over all requests (the prior of a new request).",
     )
     prior: float = Field(
         _adaptive_default("prior"),
