@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import math
 import random
 from types import SimpleNamespace
 
@@ -32,6 +33,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.stats import StepStats
 from specserve.spec.adaptive import OFF, Tier
+from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.step_costs import DRAFT, VERIFY
 
 MS = 1e-3
@@ -164,8 +166,8 @@ def by_batch(row: dict[int, float], batch: int) -> float:
 class Clock:
     """The H100's step ms for `workload`, and its requests' text."""
 
-    def __init__(self, workload: str, seed: int, run: str = "latest") -> None:
-        self.table, self.text, self.seed = H100[run][workload], TEXT[workload], seed
+    def __init__(self, workload: str, seed: int, run: str = "latest", jitter: float = 0.0) -> None:
+        self.table, self.text, self.seed, self.jitter = H100[run][workload], TEXT[workload], seed, jitter
 
     def plain_ms(self, batch: int) -> float:
         return by_batch(self.table["plain"], batch)
@@ -197,7 +199,10 @@ class Clock:
                     while n < 16 and rng.random() < follow:
                         n += 1
                 matches.append(n)
-            reqs.append(SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens))
+            params = SimpleNamespace(max_new_tokens=tokens)
+            reqs.append(
+                SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params)
+            )
         return reqs
 
     @staticmethod
@@ -223,9 +228,14 @@ def run(
     (accepted drafts + 1 per verify, as the bench counts it)."""
     reqs = clock.requests(batch, tokens, tag)
     made = {r.request_id: 0 for r in reqs}
+    for req in reqs:
+        req.num_output = 0
     total, seconds, inflight = 0, 0.0, False
     verifies = accepted_drafts = 0
+    noise = random.Random(f"{clock.seed}-jitter-{tag}")
     while reqs:
+        # step-to-step noise of the wall clock (host jitter), the same sequence for every system
+        jitter = math.exp(clock.jitter * noise.gauss(0.0, 1.0) - clock.jitter**2 / 2)
         if static is None:
             settings = adaptive.decide(reqs)
             tier = adaptive.tier
@@ -235,7 +245,7 @@ def run(
             settings = SimpleNamespace(num_steps=tier.num_steps)
         n, stats, emitted_of = len(reqs), StepStats(), {}
         if settings.num_steps == 0:
-            ms = clock.plain_ms(n)
+            ms = clock.plain_ms(n) * jitter
             stats.phases = {"step": ms * MS, "draft": 0.0}
             emitted_of = dict.fromkeys((r.request_id for r in reqs), 1)
             items = [SimpleNamespace(num_known=1, completes=True, num_tokens=1) for _ in reqs]
@@ -256,7 +266,7 @@ def run(
                 deepest = max(deepest, proposed)
                 emitted_of[req.request_id] = accepted + 1
                 items.append(SimpleNamespace(num_known=1, completes=True, num_tokens=proposed + 1))
-            draft, target, post = clock.chain_ms(max(deepest, 1), n)
+            draft, target, post = (jitter * t for t in clock.chain_ms(max(deepest, 1), n))
             ms = settle + draft + target + post
             stats.phases = {
                 "step": ms * MS,
@@ -269,6 +279,7 @@ def run(
             got = min(emitted_of[req.request_id], req.left)
             req.left -= got
             made[req.request_id] += got
+            req.num_output = made[req.request_id]
             total += got
         stats.generation_tokens = sum(emitted_of.values())
         if static is None:
@@ -284,6 +295,7 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}})
     adaptive = AdaptiveSpeculation(spec)
     adaptive.overlapped_off = True
+    adaptive.shapes = VerifyShapes(tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1])
     profile(adaptive, clock)
     return adaptive
 
@@ -298,8 +310,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="sigma of each step's log-normal noise (0.15: p90 = 1.2 x p50)",
+    )
     args = parser.parse_args()
-    clock = Clock(args.workload, args.seed, args.run)
+    clock = Clock(args.workload, args.seed, args.run, args.jitter)
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     statics = (OFF, *(Tier.chain(c) for c in CHAINS))
     adaptive = new_adaptive(clock)  # one engine for every batch size, as the bench runs it
