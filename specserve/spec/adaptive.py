@@ -190,7 +190,7 @@ class AdaptivePolicy:
         by how soon the batch finishes (`draft_depths`), not by this step's tokens per second."""
         ids = tuple(request_ids)
         # Decoding moves every request on by one token: only a change beyond that rescores.
-        lead = None if remaining is None else tuple(r - min(remaining) for r in remaining)
+        lead = None if remaining is None else _lead(remaining)
         scored = self._scored
         if (
             scored is None
@@ -308,8 +308,10 @@ class AdaptivePolicy:
             goodput[tier] = sum(tokens) / seconds
             # drain: the batch's tokens over the time until its last request finishes
             score[tier] = goodput[tier] if left is None else sum(left) / (seconds * drain_steps(tokens, left))
+            if not tier.off and not any(chosen):
+                score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
             depths[tier] = chosen
-        lead = None if left is None else tuple(r - min(left) for r in left)
+        lead = None if remaining is None else _lead(remaining)
         return _Scores(ids, self.acceptance.version, left, lead, goodput, score, depths)
 
     def _depths(self, tier: Tier, rows: list[tuple[list[float], int]], left: list[int] | None) -> list[int]:
@@ -461,6 +463,12 @@ class _Scores:
         if steps is None:
             steps = self.steps[tier] = dict(zip(self.ids, self.depths[tier], strict=True))
         return steps
+
+
+def _lead(remaining: Sequence[int]) -> tuple[int, ...]:
+    """Each request's tokens left beyond the least: what a decode step (one token each) leaves as is."""
+    least = min(remaining)
+    return tuple(r - least for r in remaining)
 
 
 def default_tiers(num_steps: int, topk: int = 1, num_draft_tokens: int | None = None) -> tuple[Tier, ...]:
