@@ -9,6 +9,7 @@ import pytest
 
 from specserve.spec.acceptance import AcceptanceTracker, expected_tokens
 from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier, default_tiers
+from specserve.spec.draft_depths import VerifyShapes, drain_depths, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 MS = 1e-3
@@ -419,7 +420,7 @@ def test_probes_are_spaced_by_their_cost_against_decoding():
     tiers = _bimodal(policy, 0.0, 0.0, 64, 300, random.Random(7))
     off_since = tiers.index(OFF)  # the policy starts on its optimistic prior, then goes off
     probes = [i for i, t in enumerate(tiers) if t != OFF and i > off_since]
-    gaps = [b - a for a, b in zip([off_since - 1, *probes], probes)]
+    gaps = [b - a for a, b in zip([off_since - 1, *probes], probes, strict=False)]
     assert gaps and min(gaps) >= int((5.5 - 2.5) / (0.02 * 2.5))  # 60 steps off per probe, not 4
 
 
@@ -438,3 +439,159 @@ def test_a_plain_step_priced_from_a_slow_profile_is_measured_not_believed():
     assert policy.current == OFF
     assert policy.step_seconds(OFF, 1) == pytest.approx(clock.PLAIN[1] * MS, rel=0.01)
     assert tokens / seconds >= 0.9 / (clock.PLAIN[1] * MS)
+
+
+# ---- per-request draft depths: verify priced by its bucket or its tokens; the drain ------------------
+
+
+GRAPHED = VerifyShapes((1, 2, 3, 5, 9), 64)
+
+
+def _eager_costs(batch: int) -> StepCosts:
+    """An eager pass that costs by its tokens (0.5 ms plus 20 µs a token), a lookup 20 µs a request."""
+    c = StepCosts()
+    c.profile(VERIFY, [(batch, q) for q in (1, 2, 3, 5, 9)], lambda b, q: (0.5 + 0.02 * b * q) * MS)
+    c.profile(DRAFT, [(b, 1) for b in range(1, batch + 1)], lambda b, w: 0.02 * b * MS)
+    return c
+
+
+def _mixed_batch(acceptance: AcceptanceTracker, good: int, poor: int) -> list[str]:
+    """`good` requests whose 8-deep drafts were all accepted, `poor` ones whose drafts all failed."""
+    for _ in range(30):
+        for i in range(good):
+            acceptance.observe(f"good{i}", 1, drafted=8, accepted=8)
+        for i in range(poor):
+            acceptance.observe(f"poor{i}", 1, drafted=8, accepted=0)
+    return [f"good{i}" for i in range(good)] + [f"poor{i}" for i in range(poor)]
+
+
+def test_eager_verify_gives_a_mixed_batch_per_request_depths_that_beat_every_static_tier():
+    """Eager (no CUDA graph), a pass costs by its tokens: the predictable requests draft the full
+    depth, those whose drafts keep failing draft nothing (a decode row), and that step's predicted
+    goodput beats every tier run the static way (every request at the tier's depth) and decoding."""
+    acceptance = AcceptanceTracker(8)
+    ids = _mixed_batch(acceptance, 4, 12)
+    costs = _eager_costs(16)
+    policy = _ngram_policy(costs, shapes=VerifyShapes())
+    policy.acceptance = acceptance
+    decision = policy.decide(ids)
+    assert decision.tier == Tier.chain(8)
+    assert decision.steps == {**dict.fromkeys(ids[:4], 8), **dict.fromkeys(ids[4:], 0)}
+    # priced by its tokens: 4 x 9 + 12 x 1, and 4 lookups
+    seconds = (0.5 + 0.02 * 48) * MS + 0.02 * 4 * MS
+    tokens = sum(expected_tokens(acceptance.rates(r, 1), decision.steps[r]) for r in ids)
+    assert decision.predicted_goodput == pytest.approx(tokens / seconds)
+
+    def static(tier: Tier) -> float:
+        made = sum(expected_tokens(acceptance.rates(r, 1), tier.num_steps) for r in ids)
+        return made / policy.step_seconds(tier, 16)
+
+    assert all(decision.predicted_goodput > 1.4 * static(t) for t in policy.tiers), {
+        t.name: static(t) for t in policy.tiers
+    }
+
+
+def test_a_graphed_verify_prices_the_bucket_so_narrower_rows_draft_the_full_depth():
+    """Through a CUDA graph every row is padded to the widest: a narrower row saves nothing, so every
+    request drafts the tier's depth, and the pass costs its bucket whatever the tokens."""
+    acceptance = AcceptanceTracker(8)
+    ids = _mixed_batch(acceptance, 4, 12)
+    policy = _ngram_policy(_eager_costs(16), shapes=GRAPHED)
+    policy.acceptance = acceptance
+    decision = policy.decide(ids)
+    assert set(decision.steps.values()) == {decision.tier.num_steps}
+    assert policy.verify_seconds(16, 16 + 4 * 8, 8) == policy.verify_seconds(16, 16 * 9, 8)
+    assert policy.verify_seconds(16, 16 + 4 * 3, 3) == pytest.approx((0.5 + 0.02 * 16 * 5) * MS)  # bucket 5
+    assert policy.verify_seconds(80, 80 + 4 * 8, 8) < policy.verify_seconds(80, 80 * 9, 8)  # past it: eager
+
+
+def test_a_request_given_no_draft_drafts_again_now_and_then():
+    """Unverified, a request's estimates never move: every `probe_every` speculative steps it drafts
+    the tier's depth once, so a text that turned predictable is seen."""
+    acceptance = AcceptanceTracker(8)
+    ids = _mixed_batch(acceptance, 4, 2)
+    policy = _ngram_policy(_eager_costs(6), shapes=VerifyShapes(), probe_every=4)
+    policy.acceptance = acceptance
+    policy.costs.observe(VERIFY, 6, 1, policy.step_seconds(OFF, 6))  # a plain step measured: no off probe
+    poor = [policy.decide(ids).steps["poor0"] for _ in range(8)]
+    assert poor == [0, 0, 0, 8, 0, 0, 0, 8]
+
+
+def test_nobody_waiting_judges_tiers_by_when_the_batch_finishes():
+    """Issue 9, MT-Bench at batch 16: speculation raised a step's tokens per second (a few requests
+    drafting long matches) but the batch finished later: its slowest requests made ~1 token a
+    step at 1.6x a decode step's cost, and the tail of the batch ran thin. With requests waiting
+    (one that finishes makes room) goodput decides: speculate. With none: the drain: decode."""
+    c = StepCosts()
+    c.profile(VERIFY, [(16, q) for q in (1, 2, 3, 5, 9)], lambda b, q: (1.3 if q == 1 else 2.0) * MS)
+    c.profile(DRAFT, [(16, 1)], lambda b, w: 0.1 * MS)
+    acceptance = AcceptanceTracker(8)
+    ids = _mixed_batch(acceptance, 4, 12)
+    policy = _ngram_policy(c, shapes=GRAPHED, patience=1)
+    policy.acceptance = acceptance
+    assert policy.decide(ids).tier == Tier.chain(8)
+    left = [200] * 16
+    for _ in range(2):
+        decision = policy.decide(ids, left)
+    assert policy.current == OFF and decision.tier == OFF
+    assert policy.diagnostics()["objective"] == "drain"
+    # the good requests far behind (the poor ones nearly done): the drain speculates again
+    for _ in range(2):
+        policy.decide(ids, [200] * 4 + [3] * 12)
+    assert policy.current == Tier.chain(8)
+
+
+def test_drain_depths_keep_each_request_within_the_slowest_ones_steps():
+    """Eager and nobody waiting: the request that finishes last drafts the full depth, the others
+    the least that keeps them within its steps (none where they finish anyway)."""
+    acceptance = AcceptanceTracker(8)
+    ids = _mixed_batch(acceptance, 2, 1)
+    policy = _ngram_policy(_eager_costs(3), shapes=VerifyShapes())
+    policy.acceptance = acceptance
+    prefix = {r: [expected_tokens(acceptance.rates(r, 1), d) for d in range(9)] for r in ids}
+    left = [100, 30, 100]  # good0 behind, good1 nearly done, poor0 far behind but hopeless
+    steps = policy._score(tuple(ids), left).depths[Tier.chain(8)]
+    horizon = max(r / prefix[i][8] for i, r in zip(ids, left, strict=True))  # poor0's
+    assert steps[2] == 8 and steps[1] == 0  # 30 tokens at 1 a step fit within poor0's steps
+    assert prefix["good0"][steps[0]] >= 100 / horizon > prefix["good0"][steps[0] - 1]
+
+
+def test_a_probe_judged_by_the_drain_loses_when_the_slowest_request_made_one_token():
+    c = StepCosts()
+    c.profile(VERIFY, [(4, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.0 * MS)
+    c.profile(DRAFT, [(4, 1)], lambda b, w: 0.1 * MS)
+    policy = _ngram_policy(c, shapes=GRAPHED, probe_every=2, probe_share=1.0)
+    ids = ["a", "b", "c", "d"]
+    for _ in range(50):  # drafts fail: off
+        for r in ids:
+            policy.acceptance.observe(r, 1, 8, 0)
+    tiers = []
+    while len(tiers) < 2 or tiers[-1] == OFF:
+        tiers.append(policy.decide(ids, [100] * 4).tier)
+    assert tiers[-1] != OFF  # a probe
+    policy.observe_probe(4 * 9 - 8, 1.1 * MS, {"a": 9, "b": 9, "c": 9, "d": 1})  # 28 tokens: d made 1
+    assert policy.probes == 1 and policy.probes_won == 0
+
+
+def test_depth_functions_on_hand_made_prefixes():
+    """`goodput_depths` against brute force over every depth vector; `drain_depths` by hand."""
+    import itertools
+
+    sure = [1.0, 2.0, 3.0, 4.0]  # every draft accepted
+    hopeless = [1.0, 1.05, 1.06, 1.06]
+    middling = [1.0, 1.9, 2.5, 2.7]
+    prefixes = [sure, hopeless, middling]
+
+    def seconds(depths: list[int]) -> float:
+        return 1.0 + 0.1 * sum(depths) + 0.05 * sum(1 for d in depths if d)
+
+    depths, rate = goodput_depths(prefixes, 3, seconds, per_token=0.1, per_request=0.05)
+    brute = max(
+        itertools.product(range(4), repeat=3),
+        key=lambda d: sum(p[i] for p, i in zip(prefixes, d, strict=True)) / seconds(list(d)),
+    )
+    assert tuple(depths) == brute == (3, 0, 2)
+    assert rate == pytest.approx((4.0 + 1.0 + 2.5) / seconds(depths))
+    # the steps at full depth: 27 / 2.7 = 10 (middling's); sure needs 25 / 10 tokens a step (depth
+    # 2), hopeless finishes its 9 anyway
+    assert drain_depths(prefixes, [25, 9, 27], 3) == [2, 0, 3]

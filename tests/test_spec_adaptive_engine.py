@@ -66,12 +66,14 @@ class ScriptedDrafter(Drafter):
 
     def __init__(self, answers: dict[str, list[int]], seed: int = 0) -> None:
         self.answers, self.rate, self.rng = answers, 0.9, random.Random(seed)
+        self.rates: dict[str, float] = {}  # a request's own rate (else `rate`)
 
     def draft(self, reqs, budgets) -> None:
         for req, budget in zip(reqs, budgets, strict=True):
             answer, n = self.answers[req.request_id], req.num_output
+            rate = self.rates.get(req.request_id, self.rate)
             right = [answer[n + j] if n + j < len(answer) else 0 for j in range(budget)]
-            req.draft = [t if self.rng.random() < self.rate else (t + 1) % VOCAB for t in right]
+            req.draft = [t if self.rng.random() < rate else (t + 1) % VOCAB for t in right]
 
 
 def _gpu_like_costs(costs, batches=range(1, 9), lens=range(1, 10)) -> None:
@@ -95,7 +97,9 @@ def test_engine_settles_on_the_best_tier_as_acceptance_and_batch_change(target, 
         "num_steps": 8,
         "adaptive": {"profile": False, "cost_alpha": 0.0, "probe_every": 8},
     }
-    llm = LLM(target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec)
+    llm = LLM(
+        target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec, max_running_requests=8
+    )
     engine, adaptive = llm.engine, llm.engine.adaptive
     _gpu_like_costs(adaptive.costs)
     prompts = motif_prompts(8, VOCAB, seed=3, max_noise=12)
@@ -104,32 +108,86 @@ def test_engine_settles_on_the_best_tier_as_acceptance_and_batch_change(target, 
     drafter = engine.drafter = ScriptedDrafter({})
     phase = itertools.count()
 
-    def run(rate: float, batch: int, rounds: int = 1) -> list[tuple[int, Tier]]:
-        """`rounds` batches of `batch` requests; (decoding requests, tier) of every step."""
-        drafter.rate, seen = rate, []
-        for _ in range(rounds):
-            ids = []
-            for i in range(batch):
-                rid = f"p{next(phase)}"
-                drafter.answers[rid] = answers[i]
-                ids.append(engine.add_request(prompts[i], long, rid))
-            while engine.has_unfinished():
-                decoding = sum(r.decoding for r in engine.scheduler.running)
-                outs = engine.step()
-                seen.append((decoding, adaptive.policy.current))
-                for out in outs:
-                    if out.finished:
-                        assert out.token_ids == answers[ids.index(out.request_id)]
+    def run(rate: float, batch: int, waves: int = 1) -> list[tuple[int, int, Tier]]:
+        """`waves` x `batch` requests at once (8 run, the rest wait); (decoding requests, waiting
+        requests, tier) of every step."""
+        drafter.rate, seen, ids = rate, [], []
+        for i in range(batch * waves):
+            rid = f"p{next(phase)}"
+            drafter.answers[rid] = answers[i % batch]
+            ids.append(engine.add_request(prompts[i % batch], long, rid))
+        while engine.has_unfinished():
+            decoding = sum(r.decoding for r in engine.scheduler.running)
+            waiting = len(engine.scheduler.waiting)
+            outs = engine.step()
+            seen.append((decoding, waiting, adaptive.policy.current))
+            for out in outs:
+                if out.finished:
+                    assert out.token_ids == answers[ids.index(out.request_id) % batch]
         return seen
 
     tiers = adaptive.tiers
     assert tiers == (OFF, Tier.chain(1), Tier.chain(2), Tier.chain(4), Tier.chain(8))
-    assert run(0.9, 1)[-1][1] == _best(tiers, 0.9, 1) == Tier.chain(8)  # predictable text
-    assert run(0.05, 1)[-1][1] == _best(tiers, 0.05, 1) == OFF  # text nobody predicts: plain decoding
-    assert run(0.9, 1)[-1][1] == Tier.chain(8)  # probes while off bring speculation back
-    full = [tier for decoding, tier in run(0.9, 8, rounds=2) if decoding == 8]
-    assert full[-1] == _best(tiers, 0.9, 8) == Tier.chain(4)  # the same text at batch 8: shorter drafts
+    assert run(0.9, 1)[-1][2] == _best(tiers, 0.9, 1) == Tier.chain(8)  # predictable text
+    assert run(0.05, 1)[-1][2] == _best(tiers, 0.05, 1) == OFF  # text nobody predicts: plain decoding
+    assert run(0.9, 1)[-1][2] == Tier.chain(8)  # probes while off bring speculation back
+    # The same text at batch 8, while requests wait (a finished one makes room: goodput counts):
+    # shorter drafts. Then nobody waits, and the tiers are judged by how soon the batch finishes.
+    seen = run(0.9, 8, waves=2)
+    queued = [tier for decoding, waiting, tier in seen if decoding == 8 and waiting]
+    assert queued[-1] == _best(tiers, 0.9, 8) == Tier.chain(4)
+    assert adaptive.policy.diagnostics()["objective"] == "drain"
     assert adaptive.policy.switches >= 3
+
+
+def test_a_mixed_batch_drafts_per_request_depths_losslessly(target, plain):
+    """Eager passes (the CPU: no CUDA graph) cost by their tokens and requests wait: the policy gives
+    the requests whose drafts are right the full depth and those whose drafts always fail none (a
+    decode row in the verify pass), predicted above every tier run the static way; the output is
+    still the target's own, and the KV pages all come back (the fixture)."""
+    spec = {"method": "ngram", "num_steps": 8, "adaptive": {"profile": False, "cost_alpha": 0.0}}
+    llm = LLM(
+        target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec, max_running_requests=4
+    )
+    engine, adaptive = llm.engine, llm.engine.adaptive
+    assert adaptive.shapes is not None and adaptive.shapes.max_batch == 0  # eager
+    adaptive.costs.profile(  # by tokens: 0.5 ms plus 20 µs a token; a lookup 20 µs a request
+        VERIFY, [(b, q) for b in range(1, 9) for q in (1, 2, 3, 5, 9)], lambda b, q: (0.5 + 0.02 * b * q) * MS
+    )
+    adaptive.costs.profile(DRAFT, [(b, 1) for b in range(1, 9)], lambda b, w: 0.02 * b * MS)
+    prompts = motif_prompts(8, VOCAB, seed=4, max_noise=12)
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(prompts, params)]
+    drafter = engine.drafter = ScriptedDrafter({})
+    ids = []
+    for i, prompt in enumerate(prompts):  # good and poor in turn: each batch of 4 mixes them
+        rid = f"{'good' if i % 2 == 0 else 'poor'}{i}"
+        drafter.answers[rid] = answers[i]
+        drafter.rates[rid] = 0.97 if i % 2 == 0 else 0.0
+        ids.append(engine.add_request(prompt, params, rid))
+    mixed = []  # decisions over good and poor requests while others waited
+    outs = {}
+    while engine.has_unfinished():
+        waiting = len(engine.scheduler.waiting)
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps = adaptive._steps
+        if waiting and {r[:4] for r in steps} == {"good", "poor"} and not adaptive.tier.off:
+            mixed.append((dict(steps), adaptive.tier, adaptive.predicted_goodput))
+    assert [outs[i].token_ids for i in ids] == answers
+    split = [(steps, tier, g) for steps, tier, g in mixed if len(set(steps.values())) > 1]
+    assert split, mixed
+    steps, tier, predicted = split[-1]
+    assert tier == Tier.chain(8)
+    assert all(n == 8 for r, n in steps.items() if r.startswith("good"))
+    assert all(n == 0 for r, n in steps.items() if r.startswith("poor"))
+    # the static way (every request at a tier's depth, or none) is predicted below it
+    policy, rids = adaptive.policy, list(steps)
+    static = {
+        t.name: sum(adaptive.acceptance.expected_tokens(r, 1, t.num_steps) for r in rids)
+        / policy.step_seconds(t, len(rids))
+        for t in policy.tiers
+    }
+    assert all(predicted > g for g in static.values()), (predicted, static)
 
 
 # ---- losslessness while the tier changes every step -------------------------------------------------
@@ -137,13 +195,14 @@ def test_engine_settles_on_the_best_tier_as_acceptance_and_batch_change(target, 
 
 def _cycle_tiers(engine, seed: int = 0) -> list[Tier]:
     """Replace the policy's choice with a seeded random walk over its tiers (long stretches off too),
-    each request given a random number of draft steps: every switch the engine can meet, often."""
+    each request given a random number of draft steps (none too: a decode row in a verify step):
+    every switch the engine can meet, often."""
     adaptive, rng, chosen = engine.adaptive, random.Random(seed), []
 
-    def decide(request_ids):
+    def decide(request_ids, remaining=None):
         tier = OFF if rng.random() < 0.4 else rng.choice(adaptive.tiers)
         chosen.append(tier)
-        steps = {r: 0 if tier.off else rng.randint(1, tier.num_steps) for r in request_ids}
+        steps = {r: 0 if tier.off else rng.randint(0, tier.num_steps) for r in request_ids}
         return Decision(tier, steps, 1.0, False)
 
     adaptive.policy.decide = decide
@@ -223,7 +282,7 @@ def test_head_drafts_after_plain_steps_equal_a_from_scratch_computation(target, 
     steps = 0
     while engine.has_unfinished():
         if steps == 20:  # one long stretch off: the backlog passes MAX_BACKLOG and is extended early
-            engine.adaptive.policy.decide = lambda request_ids: Decision(OFF, {}, 1.0, False)
+            engine.adaptive.policy.decide = lambda request_ids, remaining=None: Decision(OFF, {}, 1.0, False)
         if steps == 60:
             chosen = _cycle_tiers(engine, seed=4)
         engine.step()

@@ -2,20 +2,24 @@
 
 Each step (`Engine._propose_drafts`) the policy (`specserve/spec/adaptive.py`) picks the tier for the
 decoding requests: it becomes `Engine.spec_settings` (off is a plain decode step: no drafter runs),
-and each request drafts the steps the policy gave it (fewer where its own later drafts are
-hopeless), within what it may still emit. Each verify tells the acceptance estimates how far that
+and each request drafts the steps the policy gave it (fewer, or none, where its own drafts are
+hopeless and a narrower row is cheaper: `specserve/spec/draft_depths.py`), within what it may still
+emit. The engine says how its verify passes run (`shapes`: its CUDA-graph buckets) and whether
+requests wait; with none waiting the policy judges tiers by how soon the batch finishes, from each
+request's tokens left (`max_new_tokens` less its output). Each verify tells the acceptance estimates how far that
 request's draft got against the budget it was given: a drafter proposing less than the budget (an
 n-gram lookup without a match) counts as rejected there, since one token is all the step made of it.
 Each step's host times refine the cost tables: a step of decodes and verifies only (no prefill chunk)
 is a target pass of its batch at its tier's width (the CUDA-graph bucket the tier pads to; a step
 whose lookups found shorter drafts was cheaper, and that is what the tier costs on average: keyed by
-its widest draft instead, e.g. 7, the measurement fed a shape no tier is priced at), less its draft phase, which is `num_steps`
+its widest draft instead, e.g. 7, the measurement fed a shape no tier is priced at; an eager pass,
+which costs by its tokens, is scaled to the tier's width first), less its draft phase, which is `num_steps`
 draft steps (one, for an n-gram lookup, whose cost does not grow with depth), and less its `settle` phase: before a speculative step the engine settles the plain
 step still in flight (drafting needs its tokens), a wait for the device that belongs to that step.
 Charged to the draft phase (as it was), it made every probe's draft look a whole decode step dear,
 so probes and switches never paid. A plain step the engine overlapped is a `DECODE` step (its host
 work hidden), timed as a whole. A probe's emitted tokens (accepted drafts plus one per verified
-request) give the policy its verdict. The predicted and the measured goodput go to the step's stats
+request; with none waiting, each request's, for the drain) give the policy its verdict. The predicted and the measured goodput go to the step's stats
 for the metrics; `diagnostics` to benchmark reports.
 """
 
@@ -30,6 +34,7 @@ from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings, StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
+from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 
@@ -65,6 +70,7 @@ class AdaptiveSpeculation:
         self.tier_steps: Counter[Tier] = Counter()  # steps run per tier (probes included)
         self._probe = False  # this step runs a probe (a tier other than the policy's standing one)
         self._emitted = 0  # tokens this step's verifies emitted
+        self._emitted_by: dict[str, int] = {}  # a probe's: request id -> tokens it emitted
         self._decoding = 0  # requests decoding this step (its items, unless a prefill rides along)
         # (tier name, batch) -> [steps, seconds]: measured wall time of whole steps, for diagnostics
         self._walls: dict[tuple[str, int], list[float]] = {}
@@ -78,15 +84,28 @@ class AdaptiveSpeculation:
     def overlapped_off(self, value: bool) -> None:
         self.policy.overlapped_off = value
 
-    def decide(self, reqs: Sequence[Request]) -> SpecSettings:
-        """This step's tier for the decoding requests `reqs`, as the engine's speculation settings."""
+    @property
+    def shapes(self) -> VerifyShapes | None:
+        """How the engine runs verify passes (its CUDA-graph buckets; None: padded to the widest row)."""
+        return self.policy.shapes
+
+    @shapes.setter
+    def shapes(self, value: VerifyShapes | None) -> None:
+        self.policy.shapes = value
+
+    def decide(self, reqs: Sequence[Request], waiting: int = 0) -> SpecSettings:
+        """This step's tier for the decoding requests `reqs`, as the engine's speculation settings.
+        `waiting`: requests not yet admitted; with none, tiers are judged by how soon `reqs` finish
+        (each may emit up to its `max_new_tokens`)."""
         self._budgets.clear()
         if not reqs:  # nothing decodes: keep the shape, nothing to decide
             self._steps, self._probe, self._decoding = {}, False, 0
             return settings_of(self.tier)
-        decision = self.policy.decide([r.request_id for r in reqs])
+        remaining = None if waiting else [r.params.max_new_tokens - r.num_output for r in reqs]
+        decision = self.policy.decide([r.request_id for r in reqs], remaining)
         self.tier, self._steps = decision.tier, decision.steps
         self._probe, self._emitted = decision.tier != self.policy.current, 0
+        self._emitted_by.clear()
         self._decoding = len(reqs)
         self.predicted_goodput = decision.predicted_goodput
         self.tier_steps[self.tier] += 1
@@ -103,8 +122,10 @@ class AdaptiveSpeculation:
         budget = self._budgets.get(req.request_id, 0)
         if budget and not self.tier.off:
             kept = min(accepted, budget)
-            self.acceptance.observe(req.request_id, self.tier.topk, budget, kept)
+            self.acceptance.observe(req.request_id, self.tier.topk, budget, kept, len(self._budgets))
             self._emitted += kept + 1
+            if self._probe:
+                self._emitted_by[req.request_id] = kept + 1
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
@@ -113,7 +134,8 @@ class AdaptiveSpeculation:
             return
         self.policy.observe_step(stats.generation_tokens, seconds)
         if self._probe:
-            self.policy.observe_probe(self._emitted, seconds - phases.get("settle", 0.0))
+            emitted, self._emitted_by = self._emitted_by, {}
+            self.policy.observe_probe(self._emitted, seconds - phases.get("settle", 0.0), emitted)
         if len(items) == self._decoding:
             wall = self._walls.setdefault((self.tier.name, len(items)), [0, 0.0])
             wall[0] += 1
@@ -127,13 +149,27 @@ class AdaptiveSpeculation:
         drafting = phases.get("draft", 0.0)
         if all(item.num_known == 1 and item.completes for item in items):
             width = max(self.tier.query_len, max(item.num_tokens for item in items))
-            self.costs.observe(VERIFY, len(items), width, seconds - drafting - phases.get("settle", 0.0))
+            verify = seconds - drafting - phases.get("settle", 0.0)
+            self.costs.observe(VERIFY, len(items), width, verify * self._eager_scale(items, width))
         if self._budgets and drafting > 0:
             per = self.tier.num_steps if self.policy.draft_per_step else 1
             self.costs.observe(DRAFT, len(self._budgets), self.tier.topk, drafting / per)
 
+    def _eager_scale(self, items: Sequence[ScheduledItem], width: int) -> float:
+        """1 for a pass padded to its bucket; for an eager one, what `width` tokens a request cost
+        over what its tokens did (the table prices every request at one width; per-request depths
+        make an eager pass narrower)."""
+        batch, widest = len(items), max(item.num_tokens for item in items)
+        shapes = self.policy.shapes
+        if shapes is None or shapes.bucket(batch, widest) is not None or self.tier.topk > 1:
+            return 1.0
+        tokens = sum(item.num_tokens for item in items)
+        actual = self.policy.verify_seconds(batch, tokens, widest - 1)
+        return self.policy.verify_seconds(batch, batch * width, width - 1) / actual if actual > 0 else 1.0
+
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+        self.policy.forget(request_id)
         self._steps.pop(request_id, None)
 
     def settings(self) -> SpecSettings:

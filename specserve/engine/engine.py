@@ -46,6 +46,7 @@ from specserve.model.llama import LlamaForCausalLM
 from specserve.model.loader import LoadedModel, load_model
 from specserve.model.parallel import NO_TP, TPInfo, head_shard
 from specserve.spec.adaptive import configured_tiers
+from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.draft_graphs import draft_graphs_enabled
 from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
@@ -120,6 +121,7 @@ class Engine:
         )
         if self.adaptive is not None:
             self.adaptive.overlapped_off = self._overlap_off
+            self.adaptive.shapes = verify_shapes(buckets)
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}
@@ -481,7 +483,7 @@ class Engine:
         """Adaptive speculation: this step's tier. Drafting needs every token known, so a plain step
         still in flight (overlapped) is settled first; its outputs are returned."""
         decoding = [req for req in self.scheduler.running if req.decoding]
-        self.spec_settings = self.adaptive.decide(decoding)
+        self.spec_settings = self.adaptive.decide(decoding, len(self.scheduler.waiting))
         if self.spec_settings.num_steps == 0 or self._inflight is None:
             return []
         flight, self._inflight = self._inflight, None
@@ -807,6 +809,16 @@ def graph_buckets(config: EngineConfig) -> GraphBuckets:
     chains = tuple(t.query_len for t in tiers if t.topk == 1 and not t.off)
     max_batch = min(config.cuda_graph_max_batch, config.scheduler.max_running_requests)
     return GraphBuckets.for_engine(max_batch, max_draft, tree_len, chains)
+
+
+def verify_shapes(buckets: GraphBuckets | None) -> VerifyShapes:
+    """Where the engine's verify passes are padded to a CUDA-graph bucket (adaptive speculation prices
+    a narrower row there as free; elsewhere by its tokens). Tree buckets are left out: only chains
+    are given per-request depths."""
+    if buckets is None:
+        return VerifyShapes()
+    lens = tuple(q for q in buckets.query_lens if q not in buckets.masked_lens)
+    return VerifyShapes(lens, max(buckets.batch_sizes))
 
 
 def local_kv_heads(arch: ModelArch, tp: TPInfo) -> int:

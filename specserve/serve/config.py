@@ -124,14 +124,16 @@ class AdaptiveSettings(BaseModel):
         _adaptive_default("probe_every"),
         ge=1,
         description="While speculation is off, every this many steps one step drafts with the best "
-        "speculative tier, so acceptance estimates notice text becoming predictable.",
+        "speculative tier, so acceptance estimates notice text becoming predictable (and a request "
+        "given no draft for this many speculative steps drafts the tier's depth once).",
     )
     min_reach: float = Field(
         _adaptive_default("min_reach"),
         ge=0,
         lt=1,
-        description="A request drafts only the positions it reaches (all drafts before accepted) with at "
-        "least this probability by its own estimates: fewer drafts for text its drafter cannot predict.",
+        description="A model drafter's request drafts only the positions it reaches (all drafts before "
+        "accepted) with at least this probability by its own estimates: fewer drafts for text its drafter "
+        "cannot predict (an n-gram request's depth is chosen by the step's cost instead).",
     )
     request_alpha: float = Field(
         _adaptive_default("request_alpha"),
@@ -143,7 +145,7 @@ class AdaptiveSettings(BaseModel):
         _adaptive_default("pooled_alpha"),
         gt=0,
         le=1,
-        description="Fade of the acceptance evidence pooled over all requests (the prior of a new request).",
+        description="Fade per step of the acceptance evidence pooled over all requests (the prior of a new request).",
     )
     prior: float = Field(
         _adaptive_default("prior"),

@@ -28,8 +28,10 @@ from collections.abc import Sequence
 
 
 class AcceptanceTracker:
-    """`request_alpha` / `pooled_alpha`: how fast a request's own and the pooled evidence fade (per
-    verify observed). `prior`: the rate before anything was observed at a topk; optimistic, so every
+    """`request_alpha` / `pooled_alpha`: how fast a request's own evidence fades (per verify of it)
+    and the pooled evidence (per step: `observe`'s `batch`; per verify, the pool's memory was under
+    one step at batch 64, and its deep positions, tested only after long matches, rested on the
+    prior). `prior`: the rate before anything was observed at a topk; optimistic, so every
     tier gets tried and then judged on what it measured. `strength`: how many observations the
     prior is worth against the evidence.
 
@@ -53,10 +55,12 @@ class AcceptanceTracker:
         self.prior, self.strength = prior, strength
         self._pooled: dict[int, _Counts] = {}
         self._requests: dict[tuple[str, int], _Counts] = {}
+        self._fades: dict[int, float] = {}  # batch -> the pool's fade per verify
         self.version = 0  # counts observations: estimates read since are still current when unchanged
 
-    def observe(self, request_id: str, topk: int, drafted: int, accepted: int) -> None:
-        """One verify of `request_id`'s draft of `drafted` tokens (depth, for a tree), `accepted` kept."""
+    def observe(self, request_id: str, topk: int, drafted: int, accepted: int, batch: int = 1) -> None:
+        """One verify of `request_id`'s draft of `drafted` tokens (depth, for a tree), `accepted` kept;
+        `batch`: the verifies of its step (the pool fades by `pooled_alpha` per step, not per verify)."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
         tested = min(drafted, accepted + 1, self.max_positions)
@@ -65,7 +69,16 @@ class AcceptanceTracker:
         if key not in self._requests:
             self._requests[key] = _Counts(self.max_positions)
         self._requests[key].add(tested, accepted, self.request_alpha)
-        self._pool(topk).add(tested, accepted, self.pooled_alpha)
+        self._pool(topk).add(tested, accepted, self._pool_fade(batch))
+
+    def _pool_fade(self, batch: int) -> float:
+        """Per verify of a step of `batch`: the pool fades by `pooled_alpha` over the whole step."""
+        if batch <= 1:
+            return self.pooled_alpha
+        fade = self._fades.get(batch)
+        if fade is None:
+            fade = self._fades[batch] = 1.0 - (1.0 - self.pooled_alpha) ** (1.0 / batch)
+        return fade
 
     def pooled(self, topk: int) -> list[float]:
         """The pooled per-position rates at `topk`."""

@@ -33,22 +33,40 @@ The measured goodput (tokens emitted per second of step, an EMA) sits beside the
 the metrics; `diagnostics` gives the cost table, the pooled estimates and the probe record for
 benchmark reports.
 
+What a tier costs and how deep each request drafts in it: a verify padded to a CUDA-graph bucket
+costs the bucket of its widest row, so a narrower row is free and every request of an n-gram tier
+drafts the tier's depth; an eager verify (no graphs: the CPU, tensor parallelism, a batch past the
+largest bucket) costs by its tokens, and each request gets its own depth, 0 .. the tier's
+(`specserve/spec/draft_depths.py`, `VerifyShapes`). A model drafter's request drafts only the
+positions it reaches with odds of at least `min_reach`.
+
+What tiers are compared by (`decide`'s `remaining`): with requests waiting to be admitted, a request
+that finishes early makes room for one, and the step's goodput counts. With none waiting, the
+batch's end does: `remaining` (tokens each may still emit) turns the score into the drain's tokens
+per second, the batch's tokens over the time until its last request finishes at this tier, and a
+probe is judged by the steps it saved that request (`observe_probe`). Issue 9, MT-Bench at batch
+16: a step of the 8-chain emitted more tokens per second than a plain one (a few requests copying
+long matches), so the policy speculated, but its slowest requests made ~1 token a step at 1.6x a
+plain step's cost, the fast ones left early and the thin tail of the batch ran at the cost of a
+full one: 0.70x plain (`scripts/adaptive_sim.py` reproduced it, 0.89x; 0.99x with the drain).
+
 Scoring reads each request's rates once: its expected tokens for every draft depth are prefix sums
-of its reach (the chance draft j survives), which never rises with depth, so its draft steps in a
-tier are min(depth, positions it reaches with odds of at least `min_reach`) for a model drafter (the
-tier's depth for an n-gram lookup, which costs the same however deep) and every tier's score is
-a lookup. While nothing was verified since (speculation off) and the batch is the same, the scores
-change only as the cost tables drift, so they are kept for up to `rescore_every` decisions: the off
-path costs about a tuple comparison per step.
+of its reach (the chance draft j survives), which never rises with depth, so every tier's score is
+a few lookups per request. While nothing was verified since (speculation off) and the batch is the
+same (its requests' remaining tokens all one step on), the scores change only as the cost tables
+drift, so they are kept for up to `rescore_every` decisions: the off path costs about a tuple
+comparison per step.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
+from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 
@@ -117,6 +135,7 @@ class AdaptivePolicy:
         overlapped_off: bool = False,
         draft_per_step: bool = True,
         probe_share: float = 0.03,
+        shapes: VerifyShapes | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("tiers: at least one")
@@ -127,6 +146,9 @@ class AdaptivePolicy:
         self.max_probe_every = max_probe_every or 8 * probe_every
         self.probe_z, self.overlapped_off, self.draft_per_step = probe_z, overlapped_off, draft_per_step
         self.rescore_every, self.probe_share = rescore_every, probe_share
+        self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
+        self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
+        self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
         self._scored: _Scores | None = None
         self._scored_age = 0
         self.current: Tier | None = None
@@ -136,38 +158,52 @@ class AdaptivePolicy:
         self.probes = self.probes_won = 0
         self._since_probe = 0
         self._probing: tuple[Tier, float] | None = None  # the probe in flight, tokens it must beat
+        self._probe_left: dict[str, int] | None = None  # its requests' tokens left (drain), or None
         self._challenger: Tier | None = None
         self._streak = 0
         self.last_batch = 0
 
     def goodput(self, tier: Tier, request_ids: Sequence[str]) -> float:
         """Predicted tokens per second of one step of `tier` over these requests."""
-        return self._score(tuple(request_ids)).goodput[tier]
+        return self._score(tuple(request_ids), None).goodput[tier]
 
     def step_seconds(self, tier: Tier, batch: int) -> float:
+        """A step of `tier` over `batch` requests, each drafting the tier's full depth."""
         if tier.off and self.overlapped_off and self.costs.knows(DECODE):
             return self.costs.estimate(DECODE, batch, 1)
-        seconds = self.costs.estimate(VERIFY, batch, tier.query_len)
-        if not tier.off:
-            draft = self.costs.estimate(DRAFT, batch, tier.topk)
-            seconds += tier.num_steps * draft if self.draft_per_step else draft
-        return seconds
+        return self._seconds(tier, batch, [tier.num_steps] * batch)
 
-    def decide(self, request_ids: Sequence[str]) -> Decision:
-        """The tier for this step's decoding requests, and each one's draft steps."""
+    def verify_seconds(self, batch: int, tokens: int, deepest: int) -> float:
+        """A target pass over `batch` requests of `tokens` tokens in all, the widest drafting
+        `deepest`: its CUDA-graph bucket's cost, or (eager) by its tokens (`draft_depths`)."""
+        if self.shapes is None:
+            width = next((w for w in self._widths if w > deepest), deepest + 1)
+        else:
+            width = self.shapes.bucket(batch, deepest + 1)
+            if width is None:
+                return self._eager_seconds(batch, tokens / batch)
+        return self.costs.estimate(VERIFY, batch, width)
+
+    def decide(self, request_ids: Sequence[str], remaining: Sequence[int] | None = None) -> Decision:
+        """The tier for this step's decoding requests, and each one's draft steps. `remaining`: the
+        tokens each may still emit, when no request waits to be admitted: the tiers are then judged
+        by how soon the batch finishes (`draft_depths`), not by this step's tokens per second."""
         ids = tuple(request_ids)
+        # Decoding moves every request on by one token: only a change beyond that rescores.
+        lead = None if remaining is None else _lead(remaining)
         scored = self._scored
         if (
             scored is None
             or scored.version != self.acceptance.version
             or scored.ids != ids
+            or scored.lead != lead
             or self._scored_age >= self.rescore_every
         ):
-            scored = self._scored = self._score(ids)
+            scored = self._scored = self._score(ids, remaining)
             self._scored_age = 0
         self._scored_age += 1
         self.last_batch = len(ids)
-        scores = scored.goodput
+        scores = scored.score
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
         switched = self._update(best, scores)
         probe = self._probe(scored)
@@ -176,8 +212,11 @@ class AdaptivePolicy:
             steps = dict.fromkeys(ids, probe.num_steps)  # a probe tests every position it can
             predicted = self._upper_goodput(probe, len(ids))
         else:
-            steps, predicted = scored.steps_of(tier), scores[tier]
+            steps, predicted = self._revisit(tier, scored.steps_of(tier)), scored.goodput[tier]
         return Decision(tier, steps, predicted, switched)
+
+    def forget(self, request_id: str) -> None:
+        self._idle.pop(request_id, None)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step emitted `tokens` in `seconds` (draft and target): the measured goodput's EMA, and
@@ -187,15 +226,24 @@ class AdaptivePolicy:
             old = self.measured_goodput
             self.measured_goodput = rate if old == 0 else old + self.goodput_alpha * (rate - old)
 
-    def observe_probe(self, tokens: int, seconds: float | None = None) -> None:
+    def observe_probe(
+        self, tokens: int, seconds: float | None = None, emitted: dict[str, int] | None = None
+    ) -> None:
         """The probe step just run emitted `tokens` over its requests in `seconds` (its draft and
         verify; None: as predicted): won when at least what decoding would have emitted in that
         time (interval back to `probe_every`), else lost (interval doubled, up to
-        `max_probe_every`). Judged on the measured time, so a probe priced too cheap cannot win."""
+        `max_probe_every`). Judged on the measured time, so a probe priced too cheap cannot win.
+        Decided on the drain (`emitted`: each request's tokens, 1 where not given), it is judged by
+        the steps it saved the batch's last request, counted for the whole batch: a probe whose
+        predictable requests raced ahead while the slowest one made a token did nothing for the
+        batch's end (issue 9, batch 16: such probes "won" and the tail paid for them)."""
         if self._probing is None:
             return
         tier, needed = self._probing
-        self._probing = None
+        left, self._probing, self._probe_left = self._probe_left, None, None
+        if left and emitted is not None:
+            after = max(r - emitted.get(rid, 1) for rid, r in left.items())
+            tokens = len(left) * (max(left.values()) - after)
         if seconds is not None and seconds > 0:
             needed *= seconds / self.step_seconds(tier, self.last_batch or 1)
         self.probes += 1
@@ -213,6 +261,7 @@ class AdaptivePolicy:
         return {
             "batch": batch,
             "current": self.current.name if self.current is not None else None,
+            "objective": "drain" if self._scored is not None and self._scored.left else "goodput",
             "step_ms": {t.name: round(self.step_seconds(t, batch) * 1e3, 4) for t in self.tiers},
             "pooled_acceptance": {k: [round(r, 3) for r in self.acceptance.pooled(k)] for k in topks},
             "pooled_tested": {k: [round(n, 1) for n in self.acceptance.pooled_tested(k)] for k in topks},
@@ -222,32 +271,109 @@ class AdaptivePolicy:
             "probe_interval": self.probe_interval,
         }
 
-    def _score(self, ids: tuple[str, ...]) -> _Scores:
-        """Each tier's predicted goodput over `ids`: every request's rates read once, per topk."""
+    def _score(self, ids: tuple[str, ...], remaining: Sequence[int] | None) -> _Scores:
+        """Each tier's depths per request, predicted goodput and score over `ids`: every request's
+        rates read once, per topk."""
         batch = len(ids)
-        goodput: dict[Tier, float] = {}
-        per_request: dict[int, list[tuple[str, list[float], int]]] = {}
+        left = None if remaining is None else [max(r, 1) for r in remaining]
+        prefixes: dict[int, list[tuple[list[float], int]]] = {}
         for topk in {t.topk for t in self.tiers if not t.off}:
             rows = []
-            for rid, rates in self.acceptance.rates_of(ids, topk).items():
-                # A lookup costs the same however deep: only a model drafter's depth is cut per request
-                # (cut, an n-gram request fresh from a miss drafted 3 when its match ran on for 8).
+            for rates in self.acceptance.rates_of(ids, topk).values():
+                # A model drafter's request drafts only the positions it reaches with odds of at
+                # least min_reach; an n-gram lookup costs the same however deep (cut like that, a
+                # request fresh from a miss drafted 3 when its match ran on for 8): its cut, where
+                # narrower rows are cheaper, is `draft_depths`'.
                 reach_count = (
                     sum(1 for p in reach(rates) if p >= self.min_reach) if self.draft_per_step else len(rates)
                 )
-                rows.append((rid, expected_prefix(rates), reach_count))
-            per_request[topk] = rows
+                rows.append((expected_prefix(rates), reach_count))
+            prefixes[topk] = rows
+        goodput: dict[Tier, float] = {}
+        score: dict[Tier, float] = {}
+        depths: dict[Tier, list[int]] = {}
         for tier in self.tiers:
             if not batch:
-                goodput[tier] = 0.0
+                goodput[tier] = score[tier] = 0.0
+                depths[tier] = []
                 continue
             if tier.off:
-                tokens = float(batch)
+                chosen, tokens = [0] * batch, [1.0] * batch
+                seconds = self.step_seconds(tier, batch)
             else:
-                k = tier.num_steps
-                tokens = sum(prefix[max(1, min(k, n))] for _, prefix, n in per_request[tier.topk])
-            goodput[tier] = tokens / self.step_seconds(tier, batch)
-        return _Scores(ids, self.acceptance.version, goodput, per_request)
+                rows = prefixes[tier.topk]
+                chosen = self._depths(tier, rows, left)
+                tokens = [prefix[d] for (prefix, _), d in zip(rows, chosen, strict=True)]
+                seconds = self._seconds(tier, batch, chosen)
+            goodput[tier] = sum(tokens) / seconds
+            # drain: the batch's tokens over the time until its last request finishes
+            score[tier] = goodput[tier] if left is None else sum(left) / (seconds * drain_steps(tokens, left))
+            if not tier.off and not any(chosen):
+                score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
+            depths[tier] = chosen
+        lead = None if remaining is None else _lead(remaining)
+        return _Scores(ids, self.acceptance.version, left, lead, goodput, score, depths)
+
+    def _depths(self, tier: Tier, rows: list[tuple[list[float], int]], left: list[int] | None) -> list[int]:
+        """Each request's draft steps in `tier` (see `draft_depths` for an n-gram chain)."""
+        k, batch = tier.num_steps, len(rows)
+        if tier.topk > 1 or self.draft_per_step:
+            return [max(1, min(k, n)) for _, n in rows]
+        if self.shapes is None or self.shapes.bucket(batch, k + 1) is not None:
+            return [k] * batch  # padded to the widest row: a narrower one saves nothing
+        prefixes = [prefix for prefix, _ in rows]
+        if left is not None:
+            return drain_depths(prefixes, left, k)
+        per_token = max(self._eager_seconds(batch, k + 1) - self._eager_seconds(batch, 1), 0.0) / (batch * k)
+        per_request = self.costs.estimate(DRAFT, batch, tier.topk) / batch
+        chosen, _ = goodput_depths(
+            prefixes, k, lambda d: self._seconds(tier, batch, d), per_token, per_request
+        )
+        return chosen
+
+    def _seconds(self, tier: Tier, batch: int, depths: Sequence[int]) -> float:
+        """A step of `tier` whose requests draft `depths` (0: decodes in the pass): the verify, and
+        the draft of those drafting (`deepest` steps of a model drafter, one lookup each of n-gram)."""
+        deepest = max(depths, default=0)
+        drafting = sum(1 for d in depths if d)
+        if tier.topk > 1:
+            seconds = self.costs.estimate(VERIFY, batch, tier.query_len)
+        else:
+            seconds = self.verify_seconds(batch, batch + sum(depths), deepest)
+        if drafting:
+            draft = self.costs.estimate(DRAFT, drafting, tier.topk)
+            seconds += deepest * draft if self.draft_per_step else draft
+        return seconds
+
+    def _eager_seconds(self, batch: int, width: float) -> float:
+        """An eager pass of `batch` requests, `width` tokens each on average: linear in the width
+        between the measured widths (a pass costs by its tokens, however they are spread)."""
+        widths = self._widths
+        i = bisect.bisect_left(widths, width)
+        if i < len(widths) and widths[i] == width or i == 0:
+            return self.costs.estimate(VERIFY, batch, widths[min(i, len(widths) - 1)])
+        if i == len(widths):
+            return self.costs.estimate(VERIFY, batch, widths[-1]) * width / widths[-1]
+        lo, hi = widths[i - 1], widths[i]
+        low = self.costs.estimate(VERIFY, batch, lo)
+        return low + (self.costs.estimate(VERIFY, batch, hi) - low) * (width - lo) / (hi - lo)
+
+    def _revisit(self, tier: Tier, steps: dict[str, int]) -> dict[str, int]:
+        """A request given no draft for `probe_every` speculative steps in a row drafts the tier's
+        depth once: unverified, its estimates would never learn that its text turned predictable."""
+        if tier.off:
+            return steps
+        out = steps
+        for rid, n in steps.items():
+            if n:
+                self._idle.pop(rid, None)
+                continue
+            idle = self._idle.get(rid, 0) + 1
+            if idle >= self.probe_every:
+                out = dict(steps) if out is steps else out
+                out[rid], idle = tier.num_steps, 0
+            self._idle[rid] = idle
+        return out
 
     def _upper_goodput(self, tier: Tier, batch: int) -> float:
         """`tier`'s goodput over `batch` requests under the pooled upper confidence bounds."""
@@ -280,6 +406,7 @@ class AdaptivePolicy:
         self._since_probe = 0
         # To win, it must emit what decoding would in the probe's time.
         self._probing = (tier, off_rate * seconds)
+        self._probe_left = dict(zip(scored.ids, scored.left, strict=True)) if scored.left else None
         return tier
 
     def _probe_off(self, batch: int) -> Tier | None:
@@ -296,7 +423,7 @@ class AdaptivePolicy:
         if self._since_probe < self.probe_every:
             return None
         self._since_probe = 0
-        self._probing = None
+        self._probing = self._probe_left = None
         return off
 
     def _update(self, best: Tier, scores: dict[Tier, float]) -> bool:
@@ -323,21 +450,25 @@ class _Scores:
 
     ids: tuple[str, ...]
     version: int
-    goodput: dict[Tier, float]
-    per_request: dict[int, list[tuple[str, list[float], int]]]  # topk -> (id, expected prefix, reach count)
+    left: list[int] | None  # tokens each may still emit, scored by the drain (nobody waits); else None
+    lead: tuple[int, ...] | None  # `left` less its least: what one more decode step leaves as it is
+    goodput: dict[Tier, float]  # predicted tokens per second of a step
+    score: dict[Tier, float]  # what tiers are compared by: goodput, or the drain's tokens per second
+    depths: dict[Tier, list[int]]  # each request's draft steps, in `ids` order
     steps: dict[Tier, dict[str, int]] = field(default_factory=dict)
 
     def steps_of(self, tier: Tier) -> dict[str, int]:
         """Each request's draft steps in `tier` (0 when off), made once per scoring."""
         steps = self.steps.get(tier)
         if steps is None:
-            if tier.off:
-                steps = dict.fromkeys(self.ids, 0)
-            else:
-                k = tier.num_steps
-                steps = {rid: max(1, min(k, n)) for rid, _, n in self.per_request[tier.topk]}
-            self.steps[tier] = steps
+            steps = self.steps[tier] = dict(zip(self.ids, self.depths[tier], strict=True))
         return steps
+
+
+def _lead(remaining: Sequence[int]) -> tuple[int, ...]:
+    """Each request's tokens left beyond the least: what a decode step (one token each) leaves as is."""
+    least = min(remaining)
+    return tuple(r - least for r in remaining)
 
 
 def default_tiers(num_steps: int, topk: int = 1, num_draft_tokens: int | None = None) -> tuple[Tier, ...]:

@@ -18,9 +18,9 @@ So each live measurement of a profiled shape also updates that kind's residual a
 (measured minus profiled, an average that starts at the first gap, not at 0: issue 9's H100 run
 had the policy price a 64-request verify at a fifth of its host work for its first steps), and a
 profiled shape not yet measured live is estimated as its profile plus the residual, interpolated
-in batch between the batches that measured one (past them: along the last segment; host work
-grows with the batch, so the nearest batch's residual alone priced a 64-request verify like a
-16-request one). Otherwise the shapes the engine never ran would look cheaper than those it did,
+in batch between the batches that measured one (past them: along the slope of all of them, not
+the last segment's, which joins two neighbours of a bench row's tail; host work grows with the
+batch, so the nearest batch's residual alone priced a 64-request verify like a 16-request one). Otherwise the shapes the engine never ran would look cheaper than those it did,
 and the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
 
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
@@ -108,7 +108,7 @@ class StepCosts:
 
     def residual(self, kind: str, batch: int) -> float:
         """Seconds live steps of `kind` took beyond their profile: linear in batch between the batches
-        that measured one, along the last segment past them (never below 0 there)."""
+        that measured one, past them along their least-squares slope (never falling there)."""
         residuals = self._residual.get(kind)
         if not residuals:
             return 0.0
@@ -139,11 +139,25 @@ class StepCosts:
         return {(k, b, w): s for (k, w), row in self._table.items() for b, s in row.items()}
 
 
+def _slope(row: dict[int, float], sizes: list[int]) -> float:
+    """The least-squares slope of `row` in batch (never below 0). Not the last segment's: a bench
+    row's tail measures every batch below its own, so the last segment joins two neighbours (15 and
+    16) whose noise, carried 48 requests on, can price a batch-64 step many times over (the likeliest
+    cause of the H100 mixed run's 50 ms for a ~5 ms batch-64 verify, never run there to correct it)."""
+    if len(sizes) < 2:
+        return 0.0
+    mean_b = sum(sizes) / len(sizes)
+    mean_v = sum(row[b] for b in sizes) / len(sizes)
+    spread = sum((b - mean_b) ** 2 for b in sizes)
+    return max(sum((b - mean_b) * (row[b] - mean_v) for b in sizes) / spread, 0.0)
+
+
 def _interpolate(row: dict[int, float], batch: int, affine: bool = False) -> float:
     """Linear between measured batches; below the smallest its value (a smaller batch is bound by
     launches as the smallest measured one is); past the largest in proportion to the batch (a
-    profile's passes: by then compute-bound), or with `affine` along the last segment, never
-    falling (host work and live steps: a fixed part and a part per request)."""
+    profile's passes: by then compute-bound), or with `affine` from the largest on along the
+    measured batches' least-squares slope, never falling (host work and live steps: a fixed part
+    and a part per request)."""
     if batch in row:
         return row[batch]
     sizes = sorted(row)
@@ -154,10 +168,6 @@ def _interpolate(row: dict[int, float], batch: int, affine: bool = False) -> flo
         last = row[sizes[-1]]
         if not affine:
             return last * batch / sizes[-1]
-        if len(sizes) == 1:
-            return last
-        lo = sizes[-2]
-        slope = max((last - row[lo]) / (sizes[-1] - lo), 0.0)
-        return last + slope * (batch - sizes[-1])
+        return last + _slope(row, sizes) * (batch - sizes[-1])
     lo, hi = sizes[i - 1], sizes[i]
     return row[lo] + (row[hi] - row[lo]) * (batch - lo) / (hi - lo)
