@@ -128,7 +128,9 @@ class Timers:
 def instrument(llm: LLM, timers: Timers) -> None:
     engine = llm.engine
     timers.wrap(engine.runner, "execute", "device:forward")
-    timers.wrap(engine_module, "sample", "device:sample")
+    for name in ("sample", "greedy_tokens"):
+        if hasattr(engine_module, name):
+            timers.wrap(engine_module, name, "device:sample")
     if engine.drafter is not None and engine.adaptive is None:
         instrument_spec(engine, timers)
     timers.wrap(engine_module, "build_step_input", "build_input")
