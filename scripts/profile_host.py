@@ -234,9 +234,7 @@ def main() -> None:
     parser.add_argument(
         "--adaptive", action="store_true", help="adaptive n-gram speculation that finds no match: off"
     )
-    parser.add_argument(
-        "--spec", help="speculate: ngram:N or eagle3:N (a random head), a chain of N drafts"
-    )
+    parser.add_argument("--spec", help="speculate: ngram:N or eagle3:N (a random head), a chain of N drafts")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -360,7 +358,9 @@ def report(args: argparse.Namespace, phases: dict[str, float], tokens: int) -> N
     for name, value in phases.items():
         step = f"{value / args.steps * 1e6:9.1f} µs/step"
         if name == "HOST TOTAL":
-            print(f"  {name:<28}{value * per:8.2f} µs/request-step {step}  ({host / args.steps * 1e3:.3f} ms/step)")
+            print(
+                f"  {name:<28}{value * per:8.2f} µs/request-step {step}  ({host / args.steps * 1e3:.3f} ms/step)"
+            )
         else:
             print(f"  {name:<28}{value * per:8.2f} µs/request-step {step}")
     if args.json:

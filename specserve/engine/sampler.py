@@ -93,8 +93,13 @@ class SamplingBatch:
         device = torch.device(device)
         n = len(seeds)
         if n == 0:
-            floats, ints = torch.empty(3, 0, device=device), torch.empty(4, 0, dtype=torch.int64, device=device)
-            return cls(floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], ints[3], True, False, False, False)
+            floats, ints = (
+                torch.empty(3, 0, device=device),
+                torch.empty(4, 0, dtype=torch.int64, device=device),
+            )
+            return cls(
+                floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], ints[3], True, False, False, False
+            )
         params = np.array(fixed, dtype=np.float64).reshape(-1, 4).T
         buffer = np.empty(44 * n, dtype=np.uint8)  # [4, n] int64, then [3, n] float32
         ints = buffer[: 32 * n].view(np.int64).reshape(4, n)

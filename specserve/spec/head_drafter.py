@@ -214,7 +214,9 @@ class HeadDrafter(Drafter):
         self._store(
             feeds,
             stacked,
-            lambda index: self.head.logits(0, seed_hidden if index is None else seed_hidden.index_select(0, index)),
+            lambda index: self.head.logits(
+                0, seed_hidden if index is None else seed_hidden.index_select(0, index)
+            ),
         )
 
     def _previous_tails(self, feeds: list[TargetFeed], module: int | slice) -> torch.Tensor:
@@ -245,7 +247,8 @@ class HeadDrafter(Drafter):
             logits = seed_logits(None if every else to_device(torch.tensor(seeded), self.device))
             reqs = [feeds[b].request for b in seeded]
             if self.graphs is not None and all(r.params.greedy for r in reqs):
-                # Read with the chain's drafts (one host sync a round), or when first needed.
+                # Read with verify's results and the chain's drafts (one host sync a step), or
+                # when first needed.
                 seeds = DeviceTokens(self.graphs.greedy_tokens(logits))
             else:
                 counters = [feeds[b].next_output for b in seeded]
