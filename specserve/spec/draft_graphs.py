@@ -338,8 +338,11 @@ class DraftGraphs:
         self.page_table[:batch, : table.shape[1]].copy_(table)
         start = head_size + table.numel() + n
         graph.rows.copy_(inp.packed[start : start + graph.rows.shape[0]])
-        picked = features.index_select(0, inp.extra[2])
-        graph.features[: picked.shape[0]].copy_(picked)
+        index = inp.extra[2]
+        if features.dtype == graph.features.dtype:  # gathered straight into the static rows
+            torch.index_select(features, 0, index, out=graph.features[: index.shape[0]])
+        else:
+            graph.features[: index.shape[0]].copy_(features.index_select(0, index))
         if previous is not None:
             self.previous[:n].copy_(previous)
         if self.captured:
