@@ -7,7 +7,7 @@ the host's share of a step, split by phase and divided by the batch: scheduling,
 rest of the launch (sampling rows, bookkeeping), settling (tokens, detokenisation, stop checks,
 outputs), the end of the step (stats, metrics sink) and the caller's loop. With `--cprofile` the
 same steps run again under cProfile and its top entries are printed (by own time, or by
-`PROFILE_SORT`, e.g. cumulative).
+`PROFILE_SORT`, e.g. cumulative; `PROFILE_FILTER`: a regex of the paths to print).
 
 By default the lm_head scores only the first `--logit-vocab` ids (the tokens drawn are real
 tokens of the vocabulary all the same): on the CPU a full vocabulary means 12 MB of logits written
@@ -20,8 +20,16 @@ drafter predicts (every lookup finds nothing), so the policy stays off: the figu
 host cost on the off path (deciding, bookkeeping, probes) beside plain decoding's; the phase
 `adaptive` is what its own calls cost, and the steps each tier ran are printed.
 
+With `--spec ngram:N` or `--spec eagle3:N` the engine speculates with a chain of N drafts (n-gram
+lookup, or a seeded random EAGLE-3 head whose draft vocabulary is the `--logit-vocab` ids the target
+scores) through the bucketed static-buffer path the GPU captures as CUDA graphs (run eagerly here):
+the figures are per step, by phase (drafting, verify, the draft extend, postprocess, ...), with the
+forwards of the target and the head (on the GPU: graph replays) and the sampling kernels left out.
+A random target and head accept little (the accept length is printed); the fixed cost of a step is
+what this measures.
+
     python scripts/profile_host.py [--batch 64] [--steps 300] [--stop] [--server] [--cprofile 30]
-        [--adaptive]
+        [--adaptive] [--spec ngram:5|eagle3:5]
 """
 
 from __future__ import annotations
@@ -40,15 +48,18 @@ from pathlib import Path
 import torch
 
 import specserve.engine.engine as engine_module
+import specserve.spec.verify as verify_module
 from specserve import LLM, SamplingParams
 from specserve.assets import dataset_path, pull
 from specserve.engine.scheduler import Scheduler
+from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import chat_prompt_ids, load_tokenizer
+from specserve.spec.head_drafter import HeadDrafter
 
 
-def tiny_model(folder: Path, tokenizer=None):
-    """A 1-layer, 16-wide random Llama saved in `folder` and loaded (CPU, fp32), with SmolLM2's
+def tiny_model(folder: Path, tokenizer=None, layers: int = 1):
+    """A `layers`-layer, 16-wide random Llama saved in `folder` and loaded (CPU, fp32), with SmolLM2's
     tokenizer unless given another: its forward costs next to nothing beside the lm_head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +68,7 @@ def tiny_model(folder: Path, tokenizer=None):
         vocab_size=len(tokenizer),
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=2048,
@@ -77,13 +88,16 @@ clock = time.thread_time
 
 
 class Timers:
-    """Seconds per named phase, accumulated by wrapping the functions that own each phase; and the
+    """Seconds per named phase, accumulated by wrapping the functions that own each phase (each
+    phase's own time: a wrapped call inside another is its own phase, not the caller's); and the
     cyclic garbage collector's passes, whichever phase they interrupt."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.enabled = False
         self._gc_start = 0.0
+        self._inner = [0.0]  # per open wrapped call: the time of the wrapped calls inside it
         gc.callbacks.append(self._gc)
 
     def _gc(self, phase: str, info: dict) -> None:
@@ -99,10 +113,14 @@ class Timers:
             if not self.enabled:
                 return original(*args, **kwargs)
             start = clock()
+            self._inner.append(0.0)
             try:
                 return original(*args, **kwargs)
             finally:
-                self.seconds[phase] += clock() - start
+                elapsed = clock() - start
+                self.seconds[phase] += elapsed - self._inner.pop()
+                self._inner[-1] += elapsed
+                self.calls[phase] += 1
 
         setattr(owner, name, timed)
 
@@ -110,7 +128,11 @@ class Timers:
 def instrument(llm: LLM, timers: Timers) -> None:
     engine = llm.engine
     timers.wrap(engine.runner, "execute", "device:forward")
-    timers.wrap(engine_module, "sample", "device:sample")
+    for name in ("sample", "greedy_tokens"):
+        if hasattr(engine_module, name):
+            timers.wrap(engine_module, name, "device:sample")
+    if engine.drafter is not None and engine.adaptive is None:
+        instrument_spec(engine, timers)
     timers.wrap(engine_module, "build_step_input", "build_input")
     timers.wrap(Scheduler, "schedule", "schedule")
     for name in ("_launch", "_settle_step", "_run_batch", "_end_step"):
@@ -119,6 +141,45 @@ def instrument(llm: LLM, timers: Timers) -> None:
     if engine.adaptive is not None:  # the policy's own calls (a probe's settle is `settle_step`'s)
         for name in ("decide", "observe_step", "observe_verify", "drafting"):
             timers.wrap(engine.adaptive, name, "adaptive")
+
+
+def instrument_spec(engine, timers: Timers) -> None:
+    """A speculative step's phases; the head's forwards (graph replays on the GPU) left out."""
+    for name in ("sample", "greedy_tokens"):
+        if hasattr(verify_module, name):
+            timers.wrap(verify_module, name, "device:sample")
+    for name, phase in (
+        ("_propose_drafts", "draft"),
+        ("_verify", "verify"),
+        ("_postprocess", "postprocess"),
+        ("_compact_accepted_paths", "verify"),
+    ):
+        timers.wrap(engine, name, phase)
+    drafter = engine.drafter
+    if isinstance(drafter, HeadDrafter):
+        timers.wrap(drafter, "after_target", "extend")
+        timers.wrap(drafter.head, "run", "device:draft")
+        timers.wrap(drafter.head, "logits", "device:draft")
+        if drafter.graphs is not None:
+            timers.wrap(drafter.graphs, "_chain_forward", "device:draft")
+            timers.wrap(drafter.graphs, "_extend_forward", "device:draft")
+
+
+def spec_config(spec: str, loaded, folder: Path, logit_vocab: int) -> dict:
+    """The speculative config of `--spec METHOD:N`; an EAGLE-3 head is made (seeded, random) in
+    `folder`, its draft vocabulary the first `logit_vocab` ids (those the target scores)."""
+    method, _, steps = spec.partition(":")
+    config = {"method": method, "num_steps": int(steps or 5)}
+    if method == "eagle3":
+        size = logit_vocab or loaded.arch.vocab_size
+        head_config, tensors = random_head("eagle3", loaded.arch, seed=0, draft_vocab_size=size)
+        if "d2t" in tensors:  # draft id i is target id i
+            tensors["d2t"] = torch.zeros(size, dtype=torch.int64)
+            tensors["t2d"] = torch.arange(loaded.arch.vocab_size) < size
+        config["draft_model"] = str(save_head(folder, head_config, tensors))
+    elif method != "ngram":
+        raise SystemExit(f"--spec: ngram:N or eagle3:N, not {spec!r}")
+    return config
 
 
 def run_steps(llm: LLM, steps: int) -> None:
@@ -173,30 +234,38 @@ def main() -> None:
     parser.add_argument(
         "--adaptive", action="store_true", help="adaptive n-gram speculation that finds no match: off"
     )
+    parser.add_argument("--spec", help="speculate: ngram:N or eagle3:N (a random head), a chain of N drafts")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = tiny_model(Path(tmp) / "model")
-    llm = LLM(
-        loaded,
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch",
-        cuda_graphs=False,
-        overlap_schedule=False if args.no_overlap else (None if args.adaptive else True),
-        page_size=args.page_size,
-        max_running_requests=args.batch,
-        max_total_tokens=args.batch * 1024,
-        max_batched_tokens=8192,
-        speculative={"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}}
-        if args.adaptive
-        else None,
-    )
+        eagle3 = bool(args.spec) and args.spec.startswith("eagle3")
+        loaded = tiny_model(Path(tmp) / "model", layers=4 if eagle3 else 1)
+        speculative = None
+        if args.adaptive:
+            speculative = {"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}}
+        elif args.spec:
+            speculative = spec_config(args.spec, loaded, Path(tmp) / "head", args.logit_vocab)
+        llm = LLM(
+            loaded,
+            device="cpu",
+            dtype="float32",
+            # Speculation: the GPU's path (Triton backend, its torch references here; the static
+            # buffers of CUDA graphs, run eagerly).
+            attention_backend="triton" if args.spec else "torch",
+            cuda_graphs=bool(args.spec),
+            cuda_graph_max_batch=max(args.batch, 1),
+            overlap_schedule=False if args.no_overlap else (None if args.adaptive or args.spec else True),
+            page_size=args.page_size,
+            max_running_requests=args.batch,
+            max_total_tokens=args.batch * (2048 if args.spec else 1024),
+            max_batched_tokens=8192,
+            speculative=speculative,
+        )
     if args.adaptive:  # text no drafter predicts: every probe verifies nothing
         llm.engine.drafter.propose = lambda token_ids, max_tokens: []
     if args.logit_vocab:
-        head = llm.engine.model.lm_head.weight[: args.logit_vocab]
+        head = llm.engine.model.lm_head.weight[: args.logit_vocab].detach()
         llm.engine.model.compute_logits = lambda hidden: torch.nn.functional.linear(hidden, head).float()
     if args.server:
         from specserve.metrics import EngineMetrics
@@ -207,7 +276,8 @@ def main() -> None:
     prompts = [chat_prompt_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     prompts = (prompts * (args.batch // len(prompts) + 1))[: args.batch]
     params = SamplingParams(
-        max_new_tokens=args.steps + 16,
+        # A speculative step may emit num_steps + 1 tokens: no request may end while timed.
+        max_new_tokens=(args.steps + 16) * (1 + (speculative or {}).get("num_steps", 0) if args.spec else 1),
         temperature=0.0,
         ignore_eos=True,
         stop=("<|im_end|>\n\n\n", "STOP HERE") if args.stop else (),
@@ -217,15 +287,18 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # as the bench and the replicas do
 
-    runs = []
+    runs, tokens = [], 0
     for _ in range(args.repeats):
         ids = start_batch(llm, prompts, params, args.server)
+        reqs = [llm.engine._requests[i] for i in ids]
+        before = sum(r.num_output for r in reqs)
         timers.seconds.clear()
         timers.enabled = True
         start = clock()
         run_steps(llm, args.steps)
         wall = clock() - start
         timers.enabled = False
+        tokens = sum(r.num_output for r in reqs) - before
         runs.append(phase_seconds(wall, dict(timers.seconds)))
         if llm.engine.adaptive is not None:
             print(
@@ -234,7 +307,7 @@ def main() -> None:
             )
         finish(llm, ids)
     # Each figure is its least over the runs (noise only ever adds).
-    report(args, {k: min(run[k] for run in runs) for k in runs[0]})
+    report(args, {k: min(run[k] for run in runs) for k in runs[0]}, tokens)
 
     if args.cprofile:
         ids = start_batch(llm, prompts, params, args.server)
@@ -244,26 +317,28 @@ def main() -> None:
         profiler.disable()
         finish(llm, ids)
         stats = pstats.Stats(profiler).sort_stats(os.environ.get("PROFILE_SORT", "tottime"))
-        stats.print_stats(args.cprofile)
+        # PROFILE_FILTER: a regex the printed entries' paths must match (e.g. specserve/).
+        stats.print_stats(os.environ.get("PROFILE_FILTER", ""), args.cprofile)
 
 
 def phase_seconds(wall: float, seconds: dict[str, float]) -> dict[str, float]:
     """Host seconds per phase of one timed run (device work taken out), and their total."""
     device = sum(v for k, v in seconds.items() if k.startswith("device:"))
-    build = seconds.get("build_input", 0.0)
-    # Synchronous steps (all of them with --no-overlap, an adaptive policy's probes): their
-    # postprocess is what is left of `run_batch`, counted with the launches.
-    launch = seconds.get("launch", 0.0) + seconds.get("run_batch", 0.0) - build - device
-    settle = seconds.get("settle_step", 0.0)
+    # Each phase's own time (`Timers`). Synchronous steps (all of them with --no-overlap or
+    # speculation, an adaptive policy's probes): what is left of `run_batch` counts with the launches.
     phases = {
         "device (left out)": device,
         "schedule": seconds.get("schedule", 0.0),
-        "build_input": build,
-        "launch (rest; sync steps)": launch,
-        "settle/postprocess": settle,
+        "build_input": seconds.get("build_input", 0.0),
+        "launch (rest; sync steps)": seconds.get("launch", 0.0) + seconds.get("run_batch", 0.0),
+        "settle/postprocess": seconds.get("settle_step", 0.0),
         "end_step (stats)": seconds.get("end_step", 0.0),
         "adaptive (policy calls)": seconds.get("adaptive", 0.0),
     }
+    for name in ("draft", "verify", "extend", "postprocess"):  # speculative steps' phases
+        if name in seconds:
+            phases[f"spec: {name}"] = seconds[name]
+    phases["settle/postprocess"] += phases.pop("spec: postprocess", 0.0)
     phases["other (step, caller loop)"] = wall - sum(phases.values())
     phases["HOST TOTAL"] = wall - device
     for generation in range(3):  # included in the phases above
@@ -271,19 +346,23 @@ def phase_seconds(wall: float, seconds: dict[str, float]) -> dict[str, float]:
     return phases
 
 
-def report(args: argparse.Namespace, phases: dict[str, float]) -> None:
+def report(args: argparse.Namespace, phases: dict[str, float], tokens: int) -> None:
     per = 1e6 / (args.steps * args.batch)  # seconds -> µs per request-step
     print(
         f"batch {args.batch}, {args.steps} decode steps, least of {args.repeats} runs; "
-        f"overlap={not args.no_overlap} page_size={args.page_size} stop={args.stop} server={args.server} "
-        f"logit_vocab={args.logit_vocab or 'all'}"
+        f"overlap={not args.no_overlap and not args.spec} page_size={args.page_size} stop={args.stop} server={args.server} "
+        f"logit_vocab={args.logit_vocab or 'all'} spec={args.spec} "
+        f"tokens/request-step={tokens / (args.steps * args.batch):.2f}"
     )
     host = phases["HOST TOTAL"]
     for name, value in phases.items():
+        step = f"{value / args.steps * 1e6:9.1f} µs/step"
         if name == "HOST TOTAL":
-            print(f"  {name:<28}{value * per:8.2f} µs/request-step  ({host / args.steps * 1e3:.3f} ms/step)")
+            print(
+                f"  {name:<28}{value * per:8.2f} µs/request-step {step}  ({host / args.steps * 1e3:.3f} ms/step)"
+            )
         else:
-            print(f"  {name:<28}{value * per:8.2f} µs/request-step")
+            print(f"  {name:<28}{value * per:8.2f} µs/request-step {step}")
     if args.json:
         Path(args.json).write_text(json.dumps({k: v * per for k, v in phases.items()}, indent=2))
 

@@ -19,6 +19,7 @@ from specserve.engine.kv_cache import DUMMY_PAGE
 from specserve.model.head_checkpoint import random_head, save_head
 from specserve.spec.adaptive import OFF, Decision
 from specserve.spec.draft_graphs import DRAFT_GRAPHS_ENV, DraftGraphs
+from specserve.spec.drafter import resolve_drafts
 
 from engine_utils import assert_same_outputs, motif_prompts
 
@@ -88,15 +89,15 @@ class Shadow:
         self.chain_batches: list[tuple[int, tuple[int, ...]]] = []  # (requests, budgets) graphed
         for name in self.counts:
             setattr(drafter, name, self._wrap(name, getattr(drafter, name)))
-        original = self.graphs.run_chain
+        original = self.graphs.launch_chain
 
-        def run_chain(reqs, tokens, hidden, positions, steps):
+        def launch_chain(reqs, tokens, hidden, positions, steps):
             assert all(r.params.greedy for r in reqs), "a sampling row in a chain graph"
             self.chain_batches.append((len(reqs), tuple(steps)))
             self.device_seeds += isinstance(tokens, torch.Tensor)
             return original(reqs, tokens, hidden, positions, steps)
 
-        self.graphs.run_chain = run_chain
+        self.graphs.launch_chain = launch_chain
         self.extends: list[tuple[int, int]] = []  # (feeds, the longest) of each graphed extend
         extend = self.graphs.run_extend
 
@@ -112,7 +113,8 @@ class Shadow:
             saved = [_request_state(r) for r in reqs]
             kv = self.drafter.kv_cache
             k, v = kv.k.clone(), kv.v.clone()
-            self.drafter.graphs = None
+            # Nested calls (a draft's catch-up extend) leave the outer call's choice as they found it.
+            outer, self.drafter.graphs = self.drafter.graphs, None
             method(reqs_or_feeds, *args)
             eager = [_request_state(r) for r in reqs]
             eager_kv = kv.k.clone(), kv.v.clone()
@@ -123,10 +125,14 @@ class Shadow:
             self.drafter.graphs = self.graphs
             graphed = len(self.chain_batches)
             method(reqs_or_feeds, *args)
+            self.drafter.graphs = outer
             sampling = any(not r.params.greedy and r.draft for r in reqs)
             self.split += name == "draft" and sampling and len(self.chain_batches) > graphed
             self.counts[name] += 1
-            self._compare(eager, [_request_state(r) for r in reqs], eager_kv)
+            # Graphed drafts stay on the device until verify: compare what their placeholders name.
+            pending = self.graphs.pending
+            pending = pending.tolist() if pending is not None else None
+            self._compare(eager, [_request_state(r, pending) for r in reqs], eager_kv)
 
         return call
 
@@ -170,10 +176,10 @@ def _first_draft(state) -> int | None:
     return state.first_draft() if state is not None and state.seeded else None
 
 
-def _request_state(req) -> dict:
+def _request_state(req, pending: list[int] | None = None) -> dict:
     probs = req.draft_probs
     return {
-        "draft": list(req.draft),
+        "draft": resolve_drafts([req.draft], pending)[0] if pending is not None else list(req.draft),
         "draft_probs": probs.clone() if isinstance(probs, torch.Tensor) else probs,
         "draft_state": req.draft_state,
         "draft_backlog": req.draft_backlog,

@@ -30,7 +30,7 @@ from specserve.engine.output import make_output
 from specserve.engine.overlap import InFlight
 from specserve.engine.recurrent_batch import accepted_snapshots, build_recurrent_batch
 from specserve.engine.request import FUTURE_TOKEN, Request
-from specserve.engine.sampler import SamplingBatch, SamplingRow, sample
+from specserve.engine.sampler import SamplingBatch, SamplingRow, greedy_tokens, sample
 from specserve.engine.scheduler import ScheduledItem, Scheduler
 from specserve.engine.state_pool import StatePool
 from specserve.engine.stats import SpecSettings, StatsSink, StepStats
@@ -48,12 +48,12 @@ from specserve.model.parallel import NO_TP, TPInfo, head_shard
 from specserve.spec.adaptive import configured_tiers
 from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.draft_graphs import draft_graphs_enabled
-from specserve.spec.drafter import Drafter, TargetFeed
+from specserve.spec.drafter import Drafter, TargetFeed, resolve_drafts
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.standalone import StandaloneDrafter
 from specserve.spec.tree_verify import verify_trees
-from specserve.spec.verify import verify_chains
+from specserve.spec.verify import verify_chains, verify_greedy_chains
 from specserve.types import RequestOutput, SamplingParams
 from specserve_kernels import check_indices
 from specserve_kernels.kv_move import check_moves
@@ -234,8 +234,11 @@ class Engine:
         phase ends where the host waits for the GPU anyway: verify copies its results to the host)."""
         inp = self.build_input(items)
         capture = self.drafter.capture if self.drafter is not None else None
-        hidden, aux, logits = self.runner.execute(inp, capture or ())
-        emitted, drawn_at = self._verify(items, inp, logits)
+        # Drafts still on the device (a head's graphed chain): the input resolves them there and
+        # verify reads them with its results, so the host waits once a step (`_verify`).
+        pending = self.drafter.take_pending_drafts() if self.drafter is not None else None
+        hidden, aux, logits = self.runner.execute(inp, capture or (), future=pending)
+        emitted, drawn_at = self._verify(items, inp, logits, pending)
         self._compact_accepted_paths(items, drawn_at)
         if self.states is not None:  # each verified request's state: its last accepted token's
             self.states.commit(*accepted_snapshots(inp.recurrent, emitted, drawn_at))
@@ -299,12 +302,16 @@ class Engine:
         owners = [items[index].request for index in inp.sample_items]
         counters = [req.num_output for req in owners]
         if owners:
-            fixed, seeds = [r.sampling_fixed for r in owners], [r.seed for r in owners]
-            batch = SamplingBatch.from_columns(fixed, seeds, counters, self.device)
             # Every logit row samples (a decode step): in order, so the rows need no gather.
             every_row = inp.sample_logit_rows.shape[0] == logits.shape[0]
             rows_logits = logits if every_row else logits[inp.sample_logit_rows]
-            tokens = sample(rows_logits, batch, self._banned(counters, owners))
+            banned = self._banned(counters, owners)
+            if all(fixed[0] <= 0 for fixed in (r.sampling_fixed for r in owners)):
+                tokens = greedy_tokens(rows_logits, banned)  # no sampling batch to build or copy
+            else:
+                fixed, seeds = [r.sampling_fixed for r in owners], [r.seed for r in owners]
+                batch = SamplingBatch.from_columns(fixed, seeds, counters, self.device)
+                tokens = sample(rows_logits, batch, banned)
         else:
             tokens = torch.empty(0, dtype=torch.long, device=self.device)
         wants_logprobs = bool(inp.input_logprobs) or any(r.params.return_logprob for r in owners)
@@ -525,29 +532,61 @@ class Engine:
         return min(req.params.max_new_tokens - req.num_output, self.max_model_len - len(req.token_ids)) - 1
 
     def _verify(
-        self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor
+        self,
+        items: list[ScheduledItem],
+        inp: StepInput,
+        logits: torch.Tensor,
+        pending: torch.Tensor | None = None,
     ) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Tokens each sampling item emits: accepted drafts plus one sampled (or corrected) token;
-        and for items that verified a tree, the rows of its draft those tokens were drawn at."""
+        and for items that verified a tree, the rows of its draft those tokens were drawn at.
+        `pending`: the device drafts placeholders in the items' drafts name; read here, and the
+        items (in `items`, in place) and their requests get the real drafts."""
         if not inp.sample_items:
             return {}, {}
         if self.spec_settings.topk > 1:
             return self._verify_trees(items, inp, logits)
-        rows: list[SamplingRow] = []
-        owners: list[Request] = []
-        for index in inp.sample_items:
-            item = items[index]
-            for j in range(len(item.draft) + 1):
-                rows.append(item.request.sampling_row(item.request.num_output + j))
-                owners.append(item.request)
+        reqs = [items[i].request for i in inp.sample_items]
+        drafts = [items[i].draft for i in inp.sample_items]
+        # A verify step samples at every logit row, in order: no gather needed.
+        every_row = inp.sample_logit_rows.shape[0] == logits.shape[0]
+        rows_logits = logits if every_row else logits[inp.sample_logit_rows]
+        if all(req.sampling_fixed[0] <= 0 for req in reqs):
+            # Greedy requests need no sampling rows (the common case, and the one step time
+            # matters most to at batch 1): the argmax decides, and bans only while min_new_tokens
+            # holds (every row's output index is at least its request's num_output).
+            banned = None
+            if any(req.num_output < req.params.min_new_tokens for req in reqs):
+                banned = self._banned(*self._chain_counters(items, inp))
+            chains, drafts = verify_greedy_chains(rows_logits, drafts, banned, pending)
+            if pending is not None:
+                _resolve_items(items, inp.sample_items, drafts)
+            return dict(zip(inp.sample_items, chains, strict=True)), {}
+        if pending is not None:  # sampling rows beside graphed greedy chains: read the drafts first
+            drafts = resolve_drafts(drafts, pending.tolist())
+            _resolve_items(items, inp.sample_items, drafts)
+        counters, owners = self._chain_counters(items, inp)
+        rows = [req.sampling_row(counter) for req, counter in zip(owners, counters, strict=True)]
         chains = verify_chains(
-            logits[inp.sample_logit_rows],
+            rows_logits,
             rows,
-            [items[i].draft for i in inp.sample_items],
-            self._banned([row.counter for row in rows], owners),
+            drafts,
+            self._banned(counters, owners),
             self._draft_probs(items, inp, logits),
         )
         return dict(zip(inp.sample_items, chains, strict=True)), {}
+
+    @staticmethod
+    def _chain_counters(items: list[ScheduledItem], inp: StepInput) -> tuple[list[int], list[Request]]:
+        """Per verify row of a chain step, the output index it scores and its request."""
+        counters: list[int] = []
+        owners: list[Request] = []
+        for index in inp.sample_items:
+            item = items[index]
+            req, rows = item.request, len(item.draft) + 1
+            counters.extend(range(req.num_output, req.num_output + rows))
+            owners.extend([req] * rows)
+        return counters, owners
 
     def _verify_trees(
         self, items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor
@@ -866,6 +905,15 @@ def _target_feeds(
         feeds.append(TargetFeed(req, item.start, tokens, rows, bool(new), req.num_output + len(new)))
         offset += item.num_tokens
     return feeds
+
+
+def _resolve_items(items: list[ScheduledItem], indices: Sequence[int], drafts: list[list[int]]) -> None:
+    """Items `indices` (and their requests) with these drafts, placeholders resolved; in place."""
+    for index, draft in zip(indices, drafts, strict=True):
+        item = items[index]
+        if any(t < 0 for t in item.draft):
+            items[index] = item._replace(draft=tuple(draft))
+            item.request.draft = list(draft)
 
 
 def _stop_ids(req: Request) -> frozenset[int]:

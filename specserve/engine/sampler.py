@@ -25,6 +25,7 @@ trick as Gumbel-max, without the double log).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,7 +75,7 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], device: torch.device | str) -> SamplingBatch:
-        """Two host->device copies (float fields, int fields); an empty ``rows`` gives an empty batch."""
+        """One host->device copy of every field; an empty ``rows`` gives an empty batch."""
         fixed = [(r.temperature, r.top_k, r.top_p, r.min_p) for r in rows]
         return cls.from_columns(fixed, [r.seed for r in rows], [r.counter for r in rows], device)
 
@@ -87,15 +88,26 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         """`build` from columns: per row (temperature, top_k, top_p, min_p), its seed and its counter.
-        What a step does (no `SamplingRow` per request and step); the row keys are folded over whole
-        columns, not row by row."""
+        What a step does (no `SamplingRow` per request and step). The int fields (and the row keys,
+        folded on the host) and the float ones travel in one byte buffer: one copy."""
         device = torch.device(device)
+        n = len(seeds)
+        if n == 0:
+            floats, ints = (
+                torch.empty(3, 0, device=device),
+                torch.empty(4, 0, dtype=torch.int64, device=device),
+            )
+            return cls(
+                floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], ints[3], True, False, False, False
+            )
         params = np.array(fixed, dtype=np.float64).reshape(-1, 4).T
-        floats = params[[0, 2, 3]].astype(np.float32)  # temperature, top_p, min_p
-        ints = np.empty((4, len(seeds)), dtype=np.int64)
+        buffer = np.empty(44 * n, dtype=np.uint8)  # [4, n] int64, then [3, n] float32
+        ints = buffer[: 32 * n].view(np.int64).reshape(4, n)
+        floats = buffer[32 * n :].view(np.float32).reshape(3, n)
+        floats[:] = params[[0, 2, 3]]  # temperature, top_p, min_p
         ints[0] = params[1]  # top_k: small integers, exact in float64
         ints[1], ints[2] = seeds, counters
-        ints[3] = _row_key(ints[1], ints[2])
+        ints[3] = _row_keys(seeds, counters)
         sampled = floats[0] > 0  # greedy rows ignore the filters
         flags = {
             "all_greedy": not bool(sampled.any()),
@@ -103,16 +115,17 @@ class SamplingBatch:
             "any_top_p": bool((floats[1][sampled] < 1.0).any()),
             "any_min_p": bool((floats[2][sampled] > 0.0).any()),
         }
-        floats = to_device(torch.from_numpy(np.ascontiguousarray(floats)), device)
-        ints = to_device(torch.from_numpy(ints), device)
+        packed = to_device(torch.from_numpy(buffer), device)
+        ints_t = packed[: 32 * n].view(torch.int64).view(4, n)
+        floats_t = packed[32 * n :].view(torch.float32).view(3, n)
         return cls(
-            temperature=floats[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            top_k=ints[0],
-            seed=ints[1],
-            counter=ints[2],
-            noise_key=ints[3],
+            temperature=floats_t[0],
+            top_p=floats_t[1],
+            min_p=floats_t[2],
+            top_k=ints_t[0],
+            seed=ints_t[1],
+            counter=ints_t[2],
+            noise_key=ints_t[3],
             **flags,
         )
 
@@ -128,8 +141,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | No
     batch skips all of it.
     """
     if batch.all_greedy:
-        return _mask_banned(logits, banned).argmax(dim=-1)
+        return greedy_tokens(logits, banned)
     return sample_from_probs(filtered_probs(logits, batch, banned), batch)
+
+
+def greedy_tokens(logits: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """What `sample` draws for greedy rows: the argmax with banned tokens excluded [B] (no batch needed)."""
+    return _mask_banned(logits, banned).argmax(dim=-1)
 
 
 def sample_from_probs(probs: torch.Tensor, batch: SamplingBatch, *, salt: int = 0) -> torch.Tensor:
@@ -223,13 +241,35 @@ def uniform_noise_host(
     return _noise_from_key(to_device(torch.from_numpy(key), device), vocab_size)
 
 
+# Below this many rows the row keys are folded in Python (a seed's half cached), above with numpy.
+PYTHON_KEY_ROWS = 32
+
+
+def _row_keys(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray | list[int]:
+    """`_row_key` of each (seed, counter) pair (salt 0), for a host buffer."""
+    if len(seeds) > PYTHON_KEY_ROWS:
+        return _row_key(np.asarray(seeds, dtype=np.int64), np.asarray(counters, dtype=np.int64))
+    return [_counter_key(_seed_key(seed), counter) for seed, counter in zip(seeds, counters, strict=True)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int, salt: int = 0) -> int:
+    """The seed's half of `_row_key` (Python ints): the same for every output index of a request."""
+    key = _mix32(((seed >> 32) & _MASK32) ^ _SALT_SEED ^ (salt & _MASK32))
+    return _mix32(key ^ (seed & _MASK32))
+
+
+def _counter_key(seed_key, counter):
+    """The counter's half of `_row_key`, on top of the seed's."""
+    key = _mix32(seed_key ^ ((counter >> 32) & _MASK32) ^ _SALT_COUNTER)
+    return _mix32(key ^ (counter & _MASK32))
+
+
 def _row_key(seed, counter, salt: int = 0):
     """Fold (seed, counter, salt) into one 32-bit key; works on int64 tensors, int64 numpy arrays
     and Python ints alike (every intermediate stays below 2**63)."""
     key = _mix32(((seed >> 32) & _MASK32) ^ _SALT_SEED ^ (salt & _MASK32))
-    key = _mix32(key ^ (seed & _MASK32))
-    key = _mix32(key ^ ((counter >> 32) & _MASK32) ^ _SALT_COUNTER)
-    return _mix32(key ^ (counter & _MASK32))
+    return _counter_key(_mix32(key ^ (seed & _MASK32)), counter)
 
 
 def _noise_from_key(key: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ forward over draft-tree nodes comes in flat too (`build_forest_input`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -257,28 +258,49 @@ def _batch_tensors(
     `starts` on, copied to the device in one transfer together with the caller's `extra` int arrays;
     then the flat buffer they all view, and the tree mask's entry count (-1: none). `pad` (batch,
     query len): pad to that CUDA-graph bucket. `forest`: requests whose tokens form forests
-    (positions by depth, and a tree mask)."""
-    seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-    query_start = np.concatenate([[0], np.cumsum(query_lens)])
-    table = _page_table(requests, seq_lens, page_size)
+    (positions by depth, and a tree mask).
+
+    Every array is written straight into its place in one flat host buffer (pads are its zeros):
+    no per-array padding, conversion and concatenation, which cost more than the copy at batch 1."""
+    n, tokens = len(requests), len(ids)
+    seq_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]
     max_query_len = max(query_lens)
-    if max_query_len == 1 and len(ids) == len(requests):  # a decode: lists beat numpy calls there
-        positions, slots = _decode_slots(requests, starts, page_size)
-    else:
-        positions, slots = _token_slots(table, starts, query_lens, query_start, page_size)
-    token_arrays = [np.asarray(a, dtype=np.int64) for a in (ids, positions, slots)]
+    batch, padded = n, tokens
     if pad is not None:
         batch, max_query_len = pad
-        tokens = batch * max_query_len
-        token_arrays = [_pad(a, tokens, 0) for a in token_arrays]
-        query_start = _pad(query_start, batch + 1, query_start[-1])
-        seq_lens = _pad(np.asarray(seq_lens, dtype=np.int64), batch, 0)
-        table = np.concatenate([table, np.zeros((batch - len(requests), table.shape[1]), np.int64)])
+        padded = batch * max_query_len
+    max_pages = max(-(-s // page_size) for s in seq_lens)
+    extra = [np.asarray(a, dtype=np.int64) for a in extra]
+    shapes = [*_batch_shapes(padded, batch, max_pages), *(a.shape for a in extra)]
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = np.zeros(sum(sizes), dtype=np.int64)
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    ids_v, pos_v, slots_v, qs_v, lens_v, table_v = (
+        flat[a:b] for a, b in zip(bounds[:6], bounds[1:7], strict=True)
+    )
+    table = table_v.reshape(batch, max_pages)
+    _fill_page_table(table, requests, seq_lens, page_size)
+    ids_v[:tokens] = ids
+    qs_v[1 : n + 1] = list(itertools.accumulate(query_lens))
+    qs_v[n + 1 :] = tokens
+    lens_v[:n] = seq_lens
+    if tokens == n or tokens <= PYTHON_TOKENS:  # a decode, or a few tokens: lists beat numpy calls
+        positions, slots = _python_slots(requests, starts, query_lens, page_size)
+        pos_v[:tokens] = positions
+        slots_v[:tokens] = slots
+    else:
+        positions, slots = _token_slots(table[:n], starts, query_lens, qs_v[: n + 1], page_size)
+        pos_v[:tokens] = positions
+        slots_v[:tokens] = slots
+    for a, lo, hi in zip(extra, bounds[6:-1], bounds[7:], strict=True):
+        flat[lo:hi] = a.ravel()
     mask_arrays: list[np.ndarray] = []
     if forest is not None and len(forest.members):
-        mask_arrays = _forest_layout(forest, starts, query_start, max_query_len, token_arrays[1])
-    arrays = [*token_arrays, query_start, seq_lens, table, *extra, *mask_arrays]
-    views, packed = _to_device(arrays, device)
+        mask_arrays = _forest_layout(forest, starts, qs_v, max_query_len, pos_v)
+        shapes += [a.shape for a in mask_arrays]
+        flat = np.concatenate([flat, *mask_arrays])
+    packed = to_device(torch.from_numpy(flat), device)
+    views = _split(packed, shapes)
     input_ids, pos, slots_t, *layout_tensors = views[:6]
     mask, mask_entries = None, -1
     if mask_arrays:
@@ -288,15 +310,25 @@ def _batch_tensors(
     return input_ids, pos, attention, views[6 : 6 + len(extra)], packed, mask_entries
 
 
-def _decode_slots(
-    requests: list[Request], starts: Sequence[int], page_size: int
+# Steps of at most this many tokens get positions and slots from Python lists (numpy's calls cost more).
+PYTHON_TOKENS = 32
+
+
+def _python_slots(
+    requests: list[Request], starts: Sequence[int], query_lens: Sequence[int], page_size: int
 ) -> tuple[list[int], list[int]]:
-    """Positions and KV slots of one token per request."""
-    slots = [
-        req.pages[start // page_size] * page_size + start % page_size
-        for req, start in zip(requests, starts, strict=True)
-    ]
-    return list(starts), slots
+    """Positions and KV slots of every token, request after request, in Python."""
+    positions: list[int] = []
+    slots: list[int] = []
+    for req, start, length in zip(requests, starts, query_lens, strict=True):
+        pages = req.pages
+        span = range(start, start + length)
+        positions.extend(span)
+        if page_size == 1:
+            slots.extend(pages[p] for p in span)
+        else:
+            slots.extend(pages[p // page_size] * page_size + p % page_size for p in span)
+    return positions, slots
 
 
 def _token_slots(
@@ -361,12 +393,6 @@ def tree_mask(
     return mask.view(-1).index_fill_(0, entries, True).view(shape)
 
 
-def _pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    out = np.full(size, fill, dtype=np.int64)
-    out[: len(values)] = values
-    return out
-
-
 def _attention_batch(
     tensors: list[torch.Tensor],
     page_size: int,
@@ -388,27 +414,17 @@ def _attention_batch(
     )
 
 
-def _page_table(requests: list[Request], seq_lens: list[int], page_size: int) -> np.ndarray:
-    max_pages = max(-(-s // page_size) for s in seq_lens)
-    table = np.zeros((len(requests), max_pages), dtype=np.int64)
+def _fill_page_table(table: np.ndarray, requests: list[Request], seq_lens: list[int], page_size: int) -> None:
+    """Each request's pages up to its seq len into its row of `table` (zeros past them)."""
     for row, (req, seq_len) in enumerate(zip(requests, seq_lens, strict=True)):
         pages = req.page_mirror.first(req.pages, -(-seq_len // page_size))
         table[row, : len(pages)] = pages
-    return table
-
-
-def _to_device(arrays: list, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One host-to-device copy (through `host_copy`'s pinned ring on GPU) for every int64 input of the step: views
-    of the arrays, and the flat buffer."""
-    flat = [np.asarray(a, dtype=np.int64) for a in arrays]
-    buffer = to_device(torch.from_numpy(np.concatenate([a.ravel() for a in flat])), device)
-    return _split(buffer, [a.shape for a in flat]), buffer
 
 
 def _split(buffer: torch.Tensor, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
     """Views of `buffer` in `shapes`, in order: one split, then a view only for the 2-d ones."""
     sizes = [math.prod(shape) for shape in shapes]  # np.prod costs microseconds per call
-    parts = buffer[: sum(sizes)].split(sizes)
+    parts = buffer[: sum(sizes)].split_with_sizes(sizes)  # the method: no Python wrapper
     return [part if len(shape) == 1 else part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 

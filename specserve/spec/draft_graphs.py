@@ -1,8 +1,8 @@
 """CUDA graphs of a hidden-state head's drafting: the draft chain and the draft extend.
 
 Eagerly, each head forward costs far more host time (operator dispatch, input building, a `.tolist()`
-per step) than device time; with these graphs a greedy round's drafting is two replays and one host
-sync.
+per step) than device time; with these graphs a greedy round's drafting is two replays and no host
+sync of its own (its drafts are read with verify's results).
 
 - **Chain** (`run_chain`), per (batch bucket, steps): steps 1 .. budget-1 of every request's chain
   after the extend's first draft, as `HeadDrafter._draft_step` runs them: step s runs module
@@ -13,7 +13,10 @@ sync.
   tails, the newest extended position, the steps and the page table into static buffers; each step
   computes its positions, KV slots and context lengths on the device, runs the module and its
   logits, takes the argmax (`draft_top1`, then `to_target_ids`) and feeds tokens and hidden states
-  to the next, with no host sync; the host reads every draft once at the end. A request with fewer
+  to the next, with no host sync. The drafts stay on the device (`launch_chain`): a request's draft
+  holds placeholders -(1 + k) naming them, which the target's verify step resolves on the device
+  (as overlap scheduling's future tokens), and the engine reads them back with verify's argmax, one
+  host sync a speculative step (`run_chain` reads them at once). A request with fewer
   steps than the batch's most turns, for its extra steps, into a pad row (positions from 0, KV to
   the dummy slot: its reserved pages end with its own budget; outputs ignored). Pad rows have an
   all-zero page table, so they read and write the dummy page only. Greedy chains only: the
@@ -49,6 +52,7 @@ from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input, graph_head_size
 from specserve.executor.cuda_graphs import capture
 from specserve.model.draft_heads import DraftHead
+from specserve.spec.drafter import resolve_drafts
 from specserve_kernels import use_triton
 from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
 
@@ -181,6 +185,7 @@ class DraftGraphs:
             for b in shapes.batch_sizes
         }
         self.top1 = draft_top1 if use_triton(device) else draft_top1_ref
+        self._pending: torch.Tensor | None = None  # `launch_chain`'s drafts, not read yet
         self.captured = device.type == "cuda"
         if self.captured:
             self._capture_all()
@@ -206,6 +211,20 @@ class DraftGraphs:
         `tokens[i]` (host ints, or a device tensor), each module's tail `tails[i]` ([k, H]) at its
         newest extended position `positions[i]`. The KV slots of every position it drafts must be
         held. Returns each request's first draft followed by the new ones."""
+        chains = self.launch_chain(reqs, tokens, tails, positions, steps)
+        return resolve_drafts(chains, self.take_pending().tolist())
+
+    def launch_chain(
+        self,
+        reqs: Sequence[Request],
+        tokens: Sequence[int] | torch.Tensor,
+        tails: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        steps: Sequence[int],
+    ) -> list[list[int]]:
+        """`run_chain` without the host read: the drafts stay on the device (`take_pending`), and
+        each request's chain comes back as placeholders, -(1 + k) for entry k of that tensor (what
+        a step's input ids resolve on the device: `resolve_future_ids`)."""
         n, most = len(reqs), max(steps)
         batch = self.shapes.batch(n)
         bucket = self.chain[batch]
@@ -228,8 +247,21 @@ class DraftGraphs:
             bucket.graphs[most].replay()
         else:
             self._chain_forward(bucket, batch, most)
-        drafts = self.tokens[: most + 1, :n].t().tolist()  # the round's one host sync
-        return [row[: s + 1] for row, s in zip(drafts, steps, strict=True)]
+        # Row j of `tokens` holds every request's draft j: request i's draft j is entry j * W + i.
+        width = self.tokens.shape[1]
+        self._pending = self.tokens[: most + 1].view(-1)
+        return [[-1 - (j * width + i) for j in range(s + 1)] for i, s in enumerate(steps)]
+
+    @property
+    def pending(self) -> torch.Tensor | None:
+        """What `take_pending` would return, left in place."""
+        return self._pending
+
+    def take_pending(self) -> torch.Tensor | None:
+        """The device drafts the last `launch_chain` left for its placeholders to name (valid until
+        the next chain replay), once; None when none are pending."""
+        pending, self._pending = self._pending, None
+        return pending
 
     @torch.inference_mode()
     def _chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
@@ -306,8 +338,11 @@ class DraftGraphs:
         self.page_table[:batch, : table.shape[1]].copy_(table)
         start = head_size + table.numel() + n
         graph.rows.copy_(inp.packed[start : start + graph.rows.shape[0]])
-        picked = features.index_select(0, inp.extra[2])
-        graph.features[: picked.shape[0]].copy_(picked)
+        index = inp.extra[2]
+        if features.dtype == graph.features.dtype:  # gathered straight into the static rows
+            torch.index_select(features, 0, index, out=graph.features[: index.shape[0]])
+        else:
+            graph.features[: index.shape[0]].copy_(features.index_select(0, index))
         if previous is not None:
             self.previous[:n].copy_(previous)
         if self.captured:

@@ -60,6 +60,13 @@ class Drafter:
         one per node; a model drafter's forwards over up to topk paths of depth - 1 nodes each."""
         return max(num_nodes, topk * (depth - 1))
 
+    def take_pending_drafts(self) -> torch.Tensor | None:
+        """Drafts the last `draft` left on the device, once (then None): those requests' `draft`
+        lists hold placeholders -(1 + k) for entry k (`resolve_drafts`), which the verify step's
+        input resolves on the device and verify reads back with its own results. None: every draft
+        is a host int."""
+        return None
+
     def after_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
         """Called after each target forward and verify, before the step's results are applied."""
 
@@ -81,12 +88,18 @@ def choose_drafts(
     one fused pass), a draw from the filtered distribution q for sampling ones. Returns the target
     ids and, when any row samples, q over the target vocabulary [R, vocab] (one-hot on greedy rows).
     `counters[i]` is the output index the draft on row i proposes (seeds its noise)."""
-    rows = [r.sampling_row(c) for r, c in zip(reqs, counters, strict=True)]
-    if all(row.temperature == 0 for row in rows):
+    if all(r.sampling_fixed[0] <= 0 for r in reqs):  # greedy: no sampling rows to build
         top1 = draft_top1 if use_triton(logits.device) else draft_top1_ref
         ids, _ = top1(logits)
         return to_target_ids(ids).tolist(), None
+    rows = [r.sampling_row(c) for r, c in zip(reqs, counters, strict=True)]
     batch = SamplingBatch.build(rows, logits.device)
     q = filtered_probs(logits, batch)
     ids = sample_from_probs(q, batch, salt=DRAFT_SALT)
     return to_target_ids(ids).tolist(), to_target_probs(q, vocab)
+
+
+def resolve_drafts(drafts: Sequence[Sequence[int]], pending: Sequence[int]) -> list[list[int]]:
+    """Draft chains with their placeholders -(1 + k) (`Drafter.take_pending_drafts`) replaced by
+    entry k of `pending`, the host copy of the device drafts they name."""
+    return [[t if t >= 0 else pending[-1 - t] for t in chain] for chain in drafts]

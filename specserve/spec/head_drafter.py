@@ -188,7 +188,12 @@ class HeadDrafter(Drafter):
                 [r for f in feeds for r in f.rows],
                 previous,
             )
-            self._store(feeds, out.tails, lambda index: out.logits.index_select(0, index))
+            # A copy either way: the graph's output is overwritten by the next replay in its pool.
+            self._store(
+                feeds,
+                out.tails,
+                lambda index: out.logits.clone() if index is None else out.logits.index_select(0, index),
+            )
             return
         inp = build_draft_input([(f.request, f.start, f.tokens) for f in feeds], self.page_size, self.device)
         ctx = self.backend.prepare(inp.attention, self.kv_cache)
@@ -206,7 +211,13 @@ class HeadDrafter(Drafter):
             if i == 0:
                 seed_hidden = to_logits.index_select(0, last)
         stacked = torch.stack(tails, dim=1)  # [B, k, H]
-        self._store(feeds, stacked, lambda index: self.head.logits(0, seed_hidden.index_select(0, index)))
+        self._store(
+            feeds,
+            stacked,
+            lambda index: self.head.logits(
+                0, seed_hidden if index is None else seed_hidden.index_select(0, index)
+            ),
+        )
 
     def _previous_tails(self, feeds: list[TargetFeed], module: int | slice) -> torch.Tensor:
         """Module `module`'s output (or those of a slice of modules) just before each feed's first
@@ -228,15 +239,16 @@ class HeadDrafter(Drafter):
         seed_logits: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """Each feed's state: `tails` [B, k, H]; `seed_logits(index)`: module 0's draft logits at the
-        last rows of feeds `index` (those that seed a draft)."""
+        last rows of feeds `index` (those that seed a draft; None: every feed, no index copied)."""
         seeded = [b for b, f in enumerate(feeds) if f.seed]
         tokens, q, logits, seeds = [], None, None, None
         if seeded:
-            index = to_device(torch.tensor(seeded), self.device)
-            logits = seed_logits(index)
+            every = len(seeded) == len(feeds)
+            logits = seed_logits(None if every else to_device(torch.tensor(seeded), self.device))
             reqs = [feeds[b].request for b in seeded]
             if self.graphs is not None and all(r.params.greedy for r in reqs):
-                # Read with the chain's drafts (one host sync a round), or when first needed.
+                # Read with verify's results and the chain's drafts (one host sync a step), or
+                # when first needed.
                 seeds = DeviceTokens(self.graphs.greedy_tokens(logits))
             else:
                 counters = [feeds[b].next_output for b in seeded]
@@ -259,7 +271,10 @@ class HeadDrafter(Drafter):
     # ---- drafting --------------------------------------------------------------------------
 
     def draft(self, reqs: list[Request], budgets: list[int]) -> None:
-        """Steps 1..budget-1 of each request's chain (step 0 came from the extend)."""
+        """Steps 1..budget-1 of each request's chain (step 0 came from the extend). Graphed chains
+        stay on the device (`take_pending_drafts`)."""
+        if self.graphs is not None:
+            self.graphs.take_pending()  # a round nobody verified (e.g. the cost profile's)
         self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
         # Greedy chains in the graphs (their seeds may still be on the device); sampling ones eagerly
@@ -293,12 +308,15 @@ class HeadDrafter(Drafter):
             and all(r.params.greedy for r, _ in chains)
         )
 
+    def take_pending_drafts(self) -> torch.Tensor | None:
+        return self.graphs.take_pending() if self.graphs is not None else None
+
     def _draft_graphed(self, chains: list[tuple[Request, int]]) -> None:
         """Every chain in one graph replay, from the extend's seeds and tails (the seeds, where they
-        are still on the device, are read back with the drafts)."""
+        are still on the device, stay there with the drafts: placeholders until verify reads them)."""
         reqs = [r for r, _ in chains]
         states: list[HeadState] = [r.draft_state for r in reqs]
-        drafts = self.graphs.run_chain(
+        drafts = self.graphs.launch_chain(
             reqs,
             _seed_tokens(states, self.device),
             [s.tails for s in states],

@@ -21,10 +21,12 @@ from specserve.engine.sampler import (
     SamplingBatch,
     SamplingRow,
     filtered_probs,
+    greedy_tokens,
     sample,
     sample_from_probs,
     uniform_noise,
 )
+from specserve.spec.drafter import resolve_drafts
 from specserve_kernels import check_indices, use_triton
 from specserve_kernels.verify_chain import verify_chain, verify_chain_ref
 
@@ -45,14 +47,11 @@ def verify_chains(
     distribution each sampled draft was drawn from; a draft row whose q is zero at its token (or no
     `draft_probs` at all) is deterministic (n-gram lookup, a greedy request's draft): q = one-hot.
     One host copy at the end."""
+    if all(row.temperature <= 0 for row in rows):
+        return verify_greedy_chains(logits, drafts, banned)[0]
     batch = SamplingBatch.build(rows, logits.device)
     if not any(drafts):
         return [[t] for t in sample(logits, batch, banned).tolist()]
-    if batch.all_greedy:
-        # p is one-hot at the argmax: a draft survives iff it is the argmax, and the argmax is every
-        # rejected row's residual and the bonus. The same outcome as the rule below, without its
-        # [R, V] probabilities and noise (which cost more than the whole forward at batch 16).
-        return _greedy_chains(sample(logits, batch, banned).tolist(), drafts)
     device = logits.device
     counts = [len(d) for d in drafts]
     flat = [t for chain in drafts for t in (*chain, 0)]
@@ -90,6 +89,27 @@ def verify_chains(
     )
     tokens, accepted = tokens.tolist(), accepted.tolist()
     return [row[: a + 1] for row, a in zip(tokens, accepted, strict=True)]
+
+
+def verify_greedy_chains(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    banned: torch.Tensor | None = None,
+    pending: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """`verify_chains` when every row is greedy: p is one-hot at the argmax, so a draft survives iff
+    it is the argmax, and the argmax is every rejected row's residual and the bonus. The same outcome
+    as the general rule, without its [R, V] probabilities and noise (which cost more than the whole
+    forward at batch 16), and without a sampling batch (host work and copies): one argmax, one host
+    copy. `pending`: the device drafts that placeholders in `drafts` name (`resolve_drafts`), read
+    in the same copy. Returns the emitted tokens and the drafts (placeholders resolved)."""
+    argmax = greedy_tokens(logits, banned)
+    if pending is None:
+        return _greedy_chains(argmax.tolist(), drafts), [list(d) for d in drafts]
+    host = torch.cat([argmax, pending]).tolist()  # the step's one host sync: results and drafts
+    rows = argmax.shape[0]
+    drafts = resolve_drafts(drafts, host[rows:])
+    return _greedy_chains(host[:rows], drafts), drafts
 
 
 def _greedy_chains(argmax: list[int], drafts: Sequence[Sequence[int]]) -> list[list[int]]:
