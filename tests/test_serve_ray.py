@@ -202,17 +202,19 @@ def test_disconnect_mid_stream_frees_kv_pages(smollm2_apps, chat_ids):
     _kv_clean("main")
 
 
-def test_overload_gets_429_or_503_with_retry_after(cluster, smollm2_gguf):
+def test_overload_gets_429_or_503_with_retry_after(cluster, tiny_folder):
+    """The tiny model (starts in seconds), with requests long enough (128 tokens) that twelve sent at
+    once meet a full engine: one running, one queued."""
     _deploy(
         "small",
         "/small",
-        model=str(smollm2_gguf),
+        model=str(tiny_folder),
         speculative=None,
         max_running_requests=1,
         max_queued_requests=1,
     )
     url = f"{cluster}/small"
-    payload = {"text": "Count to fifty.", "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+    payload = {"text": "Count to fifty.", "sampling_params": {"max_new_tokens": 128, "ignore_eos": True}}
 
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300) as client:
