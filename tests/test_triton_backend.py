@@ -5,6 +5,15 @@ prefill after cached pages, decode, the verify of n-gram drafts), and the fused 
 RMSNorm in every layer — on the CPU under the Triton interpreter (SPECSERVE_TRITON_CPU=1; without it
 the backend runs each kernel's torch reference), on a GPU natively. Greedy tokens must be equal,
 logits and logprobs within 1e-4.
+
+The fused matmuls (`specserve_kernels.fused_linear`, on by default for steps of at most
+`FUSED_LINEAR_TOKENS` tokens: decode and small verify steps) cost seconds a step under the
+interpreter, against a fraction of a second without them. So a few steps take them: the engine's
+decode and verify (`test_fused_matmuls_in_decode_and_verify_steps`), a standalone drafter's tree
+steps, and single forward passes (`test_fused_forward_*`, `test_fused_decode_step_*`); their kernels
+have their own tests (test_kernel_fused_linear.py). The other engine comparisons turn them off
+(`_llm(..., fused=False)`): what those check (attention over pages, chunked and cached prefill,
+ragged verify of two requests, head drafters' attention) does not hang on the fused matmuls.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.attention import triton_backend
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import EngineConfig
@@ -64,8 +74,11 @@ def small_target(smollm2_gguf, tmp_path_factory):
     return load_model(str(folder), torch.device(DEVICE), torch.float32)
 
 
-def _llm(loaded, backend: str, page_size: int, **kwargs) -> LLM:
-    return LLM(
+def _llm(loaded, backend: str, page_size: int, fused: bool = True, **kwargs) -> LLM:
+    """`fused=False`, on the CPU: the Triton backends (the target's, a model drafter's) never take
+    the fused matmuls, every other kernel still runs. It saves the interpreter's time, so on a GPU
+    (fused steps cheap, and captured in CUDA graphs as the engine is built) it changes nothing."""
+    llm = LLM(
         loaded,
         device=str(loaded.model.lm_head.weight.device.type),
         dtype="float32",
@@ -74,6 +87,11 @@ def _llm(loaded, backend: str, page_size: int, **kwargs) -> LLM:
         attention_backend=backend,
         **kwargs,
     )
+    if not fused and DEVICE == "cpu":  # read by every `prepare`: set after the engine is built, it holds
+        for attention in (llm.engine.backend, getattr(llm.engine.drafter, "backend", None)):
+            if isinstance(attention, TritonAttentionBackend):
+                attention.fused_linear_tokens = 0
+    return llm
 
 
 def _params(new_tokens: int = NEW_TOKENS) -> SamplingParams:
@@ -82,9 +100,10 @@ def _params(new_tokens: int = NEW_TOKENS) -> SamplingParams:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_matches_torch_backend(target, triton_cpu, page_size):
+    """Unfused matmuls (the fused ones: `test_fused_matmuls_in_decode_and_verify_steps`)."""
     reference_llm = _llm(target, "torch", page_size)
     reference = reference_llm.generate(PROMPTS, _params())
-    llm = _llm(target, "triton", page_size, max_batched_tokens=16)  # prefills in chunks
+    llm = _llm(target, "triton", page_size, fused=False, max_batched_tokens=16)  # prefills in chunks
     assert isinstance(llm.engine.backend, TritonAttentionBackend)
     rel = max_rel_error(last_logits(llm.engine, PROMPTS), last_logits(reference_llm.engine, PROMPTS))
     assert rel <= 1e-4
@@ -97,14 +116,57 @@ def test_engine_matches_torch_backend(target, triton_cpu, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_speculative_verify_matches_torch_backend(small_target, triton_cpu, page_size):
-    """Verify steps attend with k + 1 causal query rows per request (ragged across the batch)."""
+    """Verify steps attend with k + 1 causal query rows per request (ragged across the batch).
+    Unfused matmuls (the fused ones: `test_fused_matmuls_in_decode_and_verify_steps`)."""
     params = _params(12)
     reference = _llm(small_target, "torch", page_size).generate(SMALL_PROMPTS, params)
     spec = {"method": "ngram", "num_steps": 3}
-    outs = _llm(small_target, "triton", page_size, speculative=spec).generate(SMALL_PROMPTS, params)
+    llm = _llm(small_target, "triton", page_size, fused=False, speculative=spec)
+    outs = llm.generate(SMALL_PROMPTS, params)
     assert_same_outputs(outs, reference)
     assert sum(o.meta["spec_draft_tokens"] for o in outs) >= 6
     assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 0
+
+
+def test_fused_matmuls_in_decode_and_verify_steps(small_target, triton_cpu, monkeypatch):
+    """The fused matmuls (a layer in four launches, their GEMV form at up to 4 rows) through whole
+    engine steps against the torch backend: plain decode steps of two requests, then n-gram verify
+    steps of one request (its token and up to 3 drafts: causal rows over the KV the same launch
+    writes, rejected drafts' KV left behind). Few steps: each costs seconds in the interpreter."""
+    rows = _fused_qkv_rows(monkeypatch)
+    params = _params(3)
+    reference = _llm(small_target, "torch", 16).generate(SMALL_PROMPTS, params)
+    # Eager steps (on a GPU too): the spy sees each one, where a CUDA graph would replay without Python.
+    llm = _llm(small_target, "triton", 16, cuda_graphs=False)
+    assert_same_outputs(llm.generate(SMALL_PROMPTS, params), reference)
+    # The prefill (46 tokens) keeps the unfused path; both decode steps are fused, each layer's.
+    assert rows == [2] * (2 * small_target.arch.num_layers)
+    rows.clear()
+    # A prompt that runs into its greedy continuation's cycle (29 61 50 55 10 on the seeded model):
+    # the drafter proposes at once, so two verify steps make all six tokens after the prefill's.
+    lead = _llm(small_target, "torch", 16).generate(SMALL_PROMPTS[1:], _params(7))[0].token_ids
+    prompt = [SMALL_PROMPTS[1] + lead]
+    params = _params(6)
+    reference = _llm(small_target, "torch", 16).generate(prompt, params)
+    spec = {"method": "ngram", "num_steps": 3}
+    outs = _llm(small_target, "triton", 16, cuda_graphs=False, speculative=spec).generate(prompt, params)
+    assert_same_outputs(outs, reference)
+    assert max(rows) == 4  # a verify step of 3 drafts went through the fused matmuls
+    meta = outs[0].meta
+    assert 0 < meta["spec_accepted_tokens"] < meta["spec_draft_tokens"]  # some drafts kept, some rejected
+
+
+def _fused_qkv_rows(monkeypatch) -> list[int]:
+    """The rows of each fused q/k/v launch the Triton contexts make (one a layer in a fused step)."""
+    rows: list[int] = []
+    inner = triton_backend.qkv_rope_store
+
+    def counting(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return inner(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "qkv_rope_store", counting)
+    return rows
 
 
 @pytest.mark.parametrize(
@@ -115,9 +177,16 @@ def test_speculative_verify_matches_torch_backend(small_target, triton_cpu, page
         ("standalone", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}),
     ],
 )
-def test_model_drafters_attend_with_the_triton_kernels(small_target, triton_cpu, tmp_path, method, shape):
+def test_model_drafters_attend_with_the_triton_kernels(
+    small_target, triton_cpu, tmp_path, monkeypatch, method, shape
+):
     """Beside a Triton target, model drafters attend over their own KV with the same kernels (on
-    CUDA the torch backend's SDPA re-planned for every new length): same drafts as the torch backend."""
+    CUDA the torch backend's SDPA re-planned for every new length): same drafts as the torch backend.
+    Only a standalone drafter (a whole Llama) takes the fused matmuls: its tree steps (2 requests x
+    topk 2 = 4 rows under a tree mask) keep them. EAGLE-3 and MTP heads never do, so those runs turn
+    them off (the target's few small steps: `test_fused_matmuls_in_decode_and_verify_steps`)."""
+    fused = method == "standalone"
+    rows = _fused_qkv_rows(monkeypatch)
     if method == "standalone":
         draft = small_target.location.path
     else:
@@ -127,10 +196,12 @@ def test_model_drafters_attend_with_the_triton_kernels(small_target, triton_cpu,
     params = _params(12)
     runs = {}
     for backend in ("torch", "triton"):
-        llm = _llm(small_target, backend, 16, speculative=spec)
+        llm = _llm(small_target, backend, 16, fused=fused, speculative=spec)
         drafts = _record_drafts(llm.engine.drafter)
         runs[backend] = llm.generate(SMALL_PROMPTS, params), drafts
     assert isinstance(llm.engine.drafter.backend, TritonAttentionBackend)
+    if DEVICE == "cpu":
+        assert bool(rows) == fused
     assert_same_outputs(runs["triton"][0], runs["torch"][0])
     assert runs["triton"][1] == runs["torch"][1]
     assert sum(len(d) for d in runs["torch"][1]) >= 6
