@@ -7,7 +7,8 @@ the host's share of a step, split by phase and divided by the batch: scheduling,
 rest of the launch (sampling rows, bookkeeping), settling (tokens, detokenisation, stop checks,
 outputs), the end of the step (stats, metrics sink) and the caller's loop. With `--cprofile` the
 same steps run again under cProfile and its top entries are printed (by own time, or by
-`PROFILE_SORT`, e.g. cumulative; `PROFILE_FILTER`: a regex of the paths to print).
+`PROFILE_SORT`, e.g. cumulative; `PROFILE_FILTER`: a regex of the paths to print). `--count`: host-to-device copies and the engine's
+`.tolist()` reads (host syncs on a GPU) per step.
 
 By default the lm_head scores only the first `--logit-vocab` ids (the tokens drawn are real
 tokens of the vocabulary all the same): on the CPU a full vocabulary means 12 MB of logits written
@@ -165,6 +166,41 @@ def instrument_spec(engine, timers: Timers) -> None:
             timers.wrap(drafter.graphs, "_extend_forward", "device:draft")
 
 
+def count_transfers(llm: LLM, steps: int) -> None:
+    """Per step: host-to-device copies (`host_copy.to_device`) and the engine's `.tolist()` reads
+    (each a host sync on a GPU; the kernels' torch references, which run inside graphs there, are
+    left out), over `steps` steps."""
+    import sys
+
+    import specserve.engine.host_copy as host_copy
+
+    counts: dict[str, int] = defaultdict(int)
+    original_copy, original_read = host_copy.to_device, torch.Tensor.tolist
+
+    def to_device(host, device):
+        counts["host->device copies"] += 1
+        return original_copy(host, device)
+
+    def tolist(tensor):
+        where = sys._getframe(1).f_code.co_filename
+        if not any(part in where for part in ("specserve_kernels", "/attention/", "/model/")):
+            counts[f"reads ({Path(where).name})"] += 1
+        return original_read(tensor)
+
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("specserve.")]
+    patched = [m for m in modules if getattr(m, "to_device", None) is original_copy]
+    for module in patched:
+        module.to_device = to_device
+    torch.Tensor.tolist = tolist
+    try:
+        run_steps(llm, steps)
+    finally:
+        torch.Tensor.tolist = original_read
+        for module in patched:
+            module.to_device = original_copy
+    print("per step:", {name: round(n / steps, 2) for name, n in sorted(counts.items())})
+
+
 def spec_config(spec: str, loaded, folder: Path, logit_vocab: int) -> dict:
     """The speculative config of `--spec METHOD:N`; an EAGLE-3 head is made (seeded, random) in
     `folder`, its draft vocabulary the first `logit_vocab` ids (those the target scores)."""
@@ -234,6 +270,7 @@ def main() -> None:
     parser.add_argument(
         "--adaptive", action="store_true", help="adaptive n-gram speculation that finds no match: off"
     )
+    parser.add_argument("--count", action="store_true", help="count host-device copies and reads per step")
     parser.add_argument("--spec", help="speculate: ngram:N or eagle3:N (a random head), a chain of N drafts")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -308,6 +345,11 @@ def main() -> None:
         finish(llm, ids)
     # Each figure is its least over the runs (noise only ever adds).
     report(args, {k: min(run[k] for run in runs) for k in runs[0]}, tokens)
+
+    if args.count:
+        ids = start_batch(llm, prompts, params, args.server)
+        count_transfers(llm, min(args.steps, 50))
+        finish(llm, ids)
 
     if args.cprofile:
         ids = start_batch(llm, prompts, params, args.server)
