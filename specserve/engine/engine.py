@@ -306,7 +306,7 @@ class Engine:
             every_row = inp.sample_logit_rows.shape[0] == logits.shape[0]
             rows_logits = logits if every_row else logits[inp.sample_logit_rows]
             banned = self._banned(counters, owners)
-            if all(fixed[0] <= 0 for fixed in (r.sampling_fixed for r in owners)):
+            if all(r.greedy for r in owners):
                 tokens = greedy_tokens(rows_logits, banned)  # no sampling batch to build or copy
             else:
                 fixed, seeds = [r.sampling_fixed for r in owners], [r.seed for r in owners]
@@ -551,7 +551,7 @@ class Engine:
         # A verify step samples at every logit row, in order: no gather needed.
         every_row = inp.sample_logit_rows.shape[0] == logits.shape[0]
         rows_logits = logits if every_row else logits[inp.sample_logit_rows]
-        if all(req.sampling_fixed[0] <= 0 for req in reqs):
+        if all(req.greedy for req in reqs):
             # Greedy requests need no sampling rows (the common case, and the one step time
             # matters most to at batch 1): the argmax decides, and bans only while min_new_tokens
             # holds (every row's output index is at least its request's num_output).

@@ -125,6 +125,7 @@ class Request:
         p = self.params
         # The fixed part of every `sampling_row`: (temperature, top_k, top_p, min_p).
         self.sampling_fixed = (float(p.temperature), max(p.top_k, 0), float(p.top_p), float(p.min_p))
+        self.greedy = p.temperature <= 0  # the argmax decides: no sampling row, batch or noise
         if self.params.wants_input_logprobs and self.params.logprob_start_len == 0 and self.prompt_ids:
             # The first prompt token has nothing before it to be predicted from.
             self.input_logprobs.append(LogprobRecord(self.prompt_ids[0], None, [], []))

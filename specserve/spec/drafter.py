@@ -88,7 +88,7 @@ def choose_drafts(
     one fused pass), a draw from the filtered distribution q for sampling ones. Returns the target
     ids and, when any row samples, q over the target vocabulary [R, vocab] (one-hot on greedy rows).
     `counters[i]` is the output index the draft on row i proposes (seeds its noise)."""
-    if all(r.sampling_fixed[0] <= 0 for r in reqs):  # greedy: no sampling rows to build
+    if all(r.greedy for r in reqs):  # greedy: no sampling rows to build
         top1 = draft_top1 if use_triton(logits.device) else draft_top1_ref
         ids, _ = top1(logits)
         return to_target_ids(ids).tolist(), None
