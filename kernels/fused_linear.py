@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve_kernels.gemv_sizes import tuned_sizes
 from specserve_kernels.rope_store import rope_kv_store_ref
 
 
@@ -80,6 +81,25 @@ def _input_row(
             r = _pick(rstd, idx, m)
         xk = _round_normed(xk, r, scale)
     return xk.to(tl.float32)
+
+
+@triton.jit
+def _input_rows(x_rows, ks, row_ok, k_ok, K, eps, rstd, scale, NORM: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """The all-rows GEMV form's `_input_tile`: columns `ks` of every row, RMS-normed (with each row's
+    own norm when the chunk is the whole row), in fp32."""
+    xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        if ONE_CHUNK:
+            xf = xk.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
+        xk = _round_normed(xk, rstd[:, None], scale[None, :])
+    return xk.to(tl.float32)
+
+
+@triton.jit
+def _dot_rows(x, w):
+    """[M, K] x [N, K] -> [M, N]: fp32 products summed over K (no tl.dot: M is a few rows)."""
+    return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
 
 
 @triton.jit
@@ -221,6 +241,7 @@ def _fused_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    ALL_ROWS: tl.constexpr,
 ):
     """The GEMV form of `_fused_linear_kernel`: weight rows `cols` [BLOCK_N, BLOCK_K] are loaded once
     per K chunk and every one of the BLOCK_M rows multiplies them in turn (no tl.dot: a 16-row tile
@@ -237,6 +258,7 @@ def _fused_gemv_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_first = x_ptr + row0.to(tl.int64) * stride_xm
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -248,12 +270,20 @@ def _fused_gemv_kernel(
         scale = 0.0
         if NORM:
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
-        for m in tl.static_range(BLOCK_M):
-            k_end = tl.where(row0 + m < M, K, 0)
-            xm = _input_row(x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK)
-            acc = _add_row(acc, idx, m, w, xm)
+        if ALL_ROWS:
+            xs = _input_rows(x_rows, ks, row_ok, k_ok, K, eps, rstd, scale, NORM, ONE_CHUNK)
+            acc += _dot_rows(xs, w)
             if GATED:
-                acc_up = _add_row(acc_up, idx, m, w_up, xm)
+                acc_up += _dot_rows(xs, w_up)
+        else:
+            for m in tl.static_range(BLOCK_M):
+                k_end = tl.where(row0 + m < M, K, 0)
+                xm = _input_row(
+                    x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK
+                )
+                acc = _add_row(acc, idx, m, w, xm)
+                if GATED:
+                    acc_up = _add_row(acc_up, idx, m, w_up, xm)
     _linear_epilogue(
         acc,
         acc_up,
@@ -278,6 +308,8 @@ GEMV_ROWS = int(os.environ.get("SPECSERVE_GEMV_ROWS", "4"))
 # Programs a GEMV aims for: a guess of about two per H100 SM, so that every SM has weight reads in
 # flight at once; scripts/bench_gemv.py sweeps the block sizes this picks.
 GEMV_PROGRAMS = 256
+# Rows the GEMV form multiplies one at a time (each its own reduction); more rows go all at once.
+ROW_AT_A_TIME = 4
 
 
 @dataclass(frozen=True)
@@ -287,13 +319,25 @@ class Blocks:
     k: int  # reduction chunk; capped at the next power of two of K
     warps: int
     gemv: bool = False  # the GEMV form (no tl.dot) rather than the tile form
+    # GEMV form only: multiply the chunk's weights with every row at once (a [m, n, k] product summed
+    # over k) rather than a row at a time: one reduction a chunk, not one per row.
+    all_rows: bool = False
 
 
 def gemv_blocks(rows: int, out_features: int, in_features: int) -> Blocks:
-    """The GEMV form's sizes: the whole K in one chunk up to 2048 (one round trip to memory per
-    program, not a chain of them), the narrowest column block that still leaves about
-    `GEMV_PROGRAMS` programs, and warps enough for about 32 weights a thread."""
+    """The GEMV form's sizes: a sweep's fastest for the shape where `gemv_sizes` has them, else by
+    rule. The whole K in one chunk up to 2048 (one round trip to memory per program, not a chain of
+    them). Up to `ROW_AT_A_TIME` rows, a row at a time: the narrowest column block that still leaves
+    about `GEMV_PROGRAMS` programs, and warps enough for about 32 weights a thread. Past that, every
+    row at once, one output column a program, warps enough for about 64 products a thread (the
+    [rows, 1, K] product lives in registers)."""
+    tuned = tuned_sizes(rows, out_features, in_features)
+    if tuned is not None:
+        return Blocks(**tuned, gemv=True)
     k = min(triton.next_power_of_2(max(in_features, 16)), 2048)
+    if rows > ROW_AT_A_TIME:
+        m = min(triton.next_power_of_2(rows), 16)
+        return Blocks(m, 1, k, max(1, min(8, m * k // 2048)), gemv=True, all_rows=True)
     n = 16
     while n > 2 and triton.cdiv(out_features, n) < GEMV_PROGRAMS:
         n //= 2
@@ -390,6 +434,7 @@ def fused_linear(
             BLOCK_N=b.n,
             BLOCK_K=block_k,
             ONE_CHUNK=block_k >= k,
+            ALL_ROWS=b.all_rows,
             num_warps=b.warps,
         )
         return out
@@ -605,6 +650,7 @@ def _qkv_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_CHUNK: tl.constexpr,
+    ALL_ROWS: tl.constexpr,
 ):
     """The GEMV form of `_qkv_rope_store_kernel`: a program owns BLOCK_N rotation pairs (i, i + HALF)
     of one head, so RoPE needs nothing from another program, and a head spreads over several."""
@@ -622,6 +668,7 @@ def _qkv_gemv_kernel(
     w_lo = w_ptr + (head * 2 * HALF + i).to(tl.int64)[:, None] * stride_wn
     w_hi = w_lo + HALF * stride_wn
     x_first = x_ptr + row0.to(tl.int64) * stride_xm
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -631,11 +678,18 @@ def _qkv_gemv_kernel(
         scale = 0.0
         if NORM:
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
-        for m in tl.static_range(BLOCK_M):
-            k_end = tl.where(row0 + m < M, K, 0)
-            xm = _input_row(x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK)
-            lo = _add_row(lo, idx, m, wl, xm)
-            hi = _add_row(hi, idx, m, wh, xm)
+        if ALL_ROWS:
+            xs = _input_rows(x_rows, ks, row_ok, k_ok, K, eps, rstd, scale, NORM, ONE_CHUNK)
+            lo += _dot_rows(xs, wl)
+            hi += _dot_rows(xs, wh)
+        else:
+            for m in tl.static_range(BLOCK_M):
+                k_end = tl.where(row0 + m < M, K, 0)
+                xm = _input_row(
+                    x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK
+                )
+                lo = _add_row(lo, idx, m, wl, xm)
+                hi = _add_row(hi, idx, m, wh, xm)
     _qkv_epilogue(
         lo,
         hi,
@@ -760,6 +814,7 @@ def qkv_rope_store(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             ONE_CHUNK=block_k >= k,
+            ALL_ROWS=b.all_rows,
             num_warps=b.warps,
         )
         return q_out

@@ -18,7 +18,9 @@ the other row counts, until `--budget-s` runs out (defaults, tile and cuBLAS alw
 
 Run from the repository root (on the GPU machine; the kernels import as `specserve_kernels`):
     python3 -P scripts/bench_gemv.py [--rows 1,2,4,8] [--budget-s 100] [--hot]
-Writes $OUT/bench_gemv.json when OUT is set.
+Writes $OUT/bench_gemv.json and $OUT/gemv_sizes.json (each shape's fastest sizes per row count, the
+table `specserve_kernels.gemv_sizes` reads: ship it as kernels/gemv_sizes.json, or point
+SPECSERVE_GEMV_SIZES at it) when OUT is set.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 import triton
 
 from specserve_kernels.fused_linear import (
+    ROW_AT_A_TIME,
     Blocks,
     QKVLayout,
     blocks_for,
@@ -45,6 +48,7 @@ from specserve_kernels.fused_linear import (
     gemv_blocks,
     qkv_rope_store,
 )
+from specserve_kernels.gemv_sizes import SIZES_ENV, write_table
 from specserve_kernels.rms_norm import add_rms_norm
 from specserve_kernels.rope_store import rope_kv_store
 from specserve_kernels.silu_mul import silu_mul
@@ -191,19 +195,28 @@ def tile_blocks(shape: Shape, rows: int) -> Blocks:
 
 
 def sweep_configs(shape: Shape, rows: int) -> list[Blocks]:
-    """GEMV sizes around the default, nearest first: column blocks 1-16, K chunks from 512 to the
-    whole K, warps for 16-64 weights a thread."""
+    """GEMV sizes around the default, nearest first: a row at a time (column blocks 1-16, K chunks
+    from 512 to the whole K, warps for 16-64 weights a thread) and, past `ROW_AT_A_TIME` rows, every
+    row at once (column blocks 1-8, K chunks from 128, warps for 16-128 products a thread)."""
     default = gemv_blocks(rows, shape.gemv_n, shape.in_features)
     k_max = min(triton.next_power_of_2(shape.in_features), 2048)
+    m = min(triton.next_power_of_2(rows), 16)
+    one_row_m = min(triton.next_power_of_2(rows), 8)
     found = []
     for n in (1, 2, 4, 8, 16):
         for k in sorted({min(512, k_max), min(1024, k_max), k_max}):
             for warps in (1, 2, 4, 8):
                 if 16 <= n * k // (32 * warps) <= 64:
-                    found.append(Blocks(default.m, n, k, warps, gemv=True))
+                    found.append(Blocks(one_row_m, n, k, warps, gemv=True))
+    if rows > ROW_AT_A_TIME:
+        for n in (1, 2, 4, 8):
+            for k in sorted({min(c, k_max) for c in (128, 256, 512, 1024, 2048)}):
+                for warps in (1, 2, 4, 8):
+                    if 16 <= m * n * k // (32 * warps) <= 128:
+                        found.append(Blocks(m, n, k, warps, gemv=True, all_rows=True))
 
     def distance(b: Blocks) -> float:
-        return sum(
+        return (b.all_rows != default.all_rows) + sum(
             abs(math.log2(a / d)) for a, d in ((b.n, default.n), (b.k, default.k), (b.warps, default.warps))
         )
 
@@ -211,7 +224,15 @@ def sweep_configs(shape: Shape, rows: int) -> list[Blocks]:
 
 
 def cfg(b: Blocks) -> str:
-    return f"n{b.n}/k{b.k}/w{b.warps}"
+    return f"n{b.n}/k{b.k}/w{b.warps}" + ("/all" if b.all_rows else "")
+
+
+def parse_cfg(name: str, rows: int) -> Blocks:
+    parts = name.split("/")
+    n, k, warps = (int(part[1:]) for part in parts[:3])
+    all_rows = parts[-1] == "all"
+    m = min(triton.next_power_of_2(rows), 16 if all_rows else 8)
+    return Blocks(m, n, k, warps, gemv=True, all_rows=all_rows)
 
 
 def timed_fused(case: Case, shape: Shape, blocks: Blocks) -> float:
@@ -254,6 +275,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=3, help="sizes of the 1-row sweep retried at more rows")
     parser.add_argument("--hot", action="store_true", help="one weight copy: weights stay in L2")
     args = parser.parse_args()
+    os.environ.setdefault(SIZES_ENV, "none")  # the rule's sizes are the defaults a sweep starts from
     began = time.perf_counter()
     row_counts = [int(r) for r in args.rows.split(",")]
     print(
@@ -301,8 +323,9 @@ def main() -> None:
                 if time.perf_counter() > deadline:
                     skipped += 1
                     continue
-                n, k, warps = (int(part[1:]) for part in name.split("/"))
-                blocks = Blocks(gemv_blocks(rows, 1, 1).m, n, k, warps, gemv=True)
+                blocks = parse_cfg(name, rows)
+                if blocks.all_rows and rows <= ROW_AT_A_TIME:
+                    continue
                 if cfg(blocks) not in sweep:
                     sweep[cfg(blocks)] = timed_fused(cases[rows], shape, blocks)
     if skipped:
@@ -337,6 +360,14 @@ def main() -> None:
     print(f"total {time.perf_counter() - began:.0f} s")
     out = os.environ.get("OUT")
     if out:
+        table = {
+            (rows, shape.gemv_n, shape.in_features): _fields(
+                parse_cfg(results[rows][shape.name]["best_blocks"], rows)
+            )
+            for rows in row_counts
+            for shape in SHAPES
+        }
+        write_table(os.path.join(out, "gemv_sizes.json"), table, {"device": torch.cuda.get_device_name()})
         report = {
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
@@ -347,6 +378,11 @@ def main() -> None:
         }
         with open(os.path.join(out, "bench_gemv.json"), "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _fields(b: Blocks) -> dict:
+    """A table entry's block sizes (the form is the GEMV one by the table's meaning)."""
+    return {"m": b.m, "n": b.n, "k": b.k, "warps": b.warps, "all_rows": b.all_rows}
 
 
 def _key(us: float) -> float:

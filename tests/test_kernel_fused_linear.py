@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from specserve_kernels import fused_linear as fused_linear_module
 from specserve_kernels.fused_linear import (
     Blocks,
     QKVLayout,
@@ -87,7 +88,13 @@ GEMV_SHAPES = {1: (40, 72), 2: (37, 100), 3: (24, 64), 4: (33, 136)}
 
 
 # fp32 at one row only: the interpreter's time per case is what CI pays for this matrix.
-GEMV_ROW_DTYPES = [(1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16), (3, torch.bfloat16), (4, torch.bfloat16)]
+GEMV_ROW_DTYPES = [
+    (1, torch.float32),
+    (1, torch.bfloat16),
+    (2, torch.bfloat16),
+    (3, torch.bfloat16),
+    (4, torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=list(COMBOS))
@@ -114,6 +121,33 @@ def test_gemv_row_groups(rows, block_m, fusion):
     x, weight, kwargs, gated = _inputs(rows, 24, 48, torch.float32, FUSIONS[fusion], rows)
     out = fused_linear(x, weight, gated=gated, blocks=Blocks(block_m, 8, 64, 2, gemv=True), **kwargs)
     _assert_close(out, fused_linear_ref(x, weight, gated=gated, **kwargs))
+
+
+# The all-rows GEMV form (verify widths, 5-16 rows): (rows, n, k, blocks) with the whole K in one
+# chunk (the row norms from the chunk itself) and in several, row blocks past the rows and below.
+ALL_ROWS_CASES = {
+    "5-rows-one-chunk": (5, 37, 72, Blocks(8, 1, 128, 2, gemv=True, all_rows=True)),
+    "8-rows-chunked": (8, 24, 100, Blocks(8, 4, 32, 1, gemv=True, all_rows=True)),
+    "13-rows-two-groups": (13, 33, 64, Blocks(8, 2, 64, 1, gemv=True, all_rows=True)),
+}
+
+
+@pytest.mark.parametrize("combo", ["norm+gated", "norm+bias+residual", "residual", "plain"])
+@pytest.mark.parametrize("case", ALL_ROWS_CASES, ids=list(ALL_ROWS_CASES))
+def test_gemv_all_rows_matches_the_modules_in_turn(case, combo):
+    rows, n, k, blocks = ALL_ROWS_CASES[case]
+    x, weight, kwargs, gated = _inputs(rows, n, k, torch.bfloat16, COMBOS[combo], rows * n + k)
+    out = fused_linear(x, weight, gated=gated, blocks=blocks, **kwargs)
+    _assert_close(out, fused_linear_ref(x, weight, gated=gated, **kwargs))
+
+
+def test_gemv_all_rows_by_default_past_four_rows(monkeypatch):
+    """The rule (no swept table): 5-16 rows in one all-rows block, the whole K in one chunk."""
+    monkeypatch.setattr(fused_linear_module, "tuned_sizes", lambda *shape: None)
+    for rows in (5, 8, 9, 16):
+        b = blocks_for(rows, 480, 576, gemv_rows=16)
+        assert b.gemv and b.all_rows and rows <= b.m <= 16 and b.k >= 576
+    assert not blocks_for(4, 480, 576, gemv_rows=16).all_rows
 
 
 @pytest.mark.parametrize("gemv", [False, True], ids=["tile", "gemv"])
@@ -171,9 +205,10 @@ def test_tiles_grow_with_rows():
     assert blocks_for(1, 3072, 576, gemv_rows=0).n > blocks_for(1, 576, 576, gemv_rows=0).n
 
 
-def test_gemv_form_up_to_gemv_rows():
+def test_gemv_form_up_to_gemv_rows(monkeypatch):
     """1-4 rows take the GEMV form by default; SmolLM2-135M's matmuls get a program per few
     columns (over a hundred programs each) and the whole K in one chunk."""
+    monkeypatch.setattr(fused_linear_module, "tuned_sizes", lambda *shape: None)
     for rows in (1, 2, 3, 4):
         b = blocks_for(rows, 960, 576, gemv_rows=4)
         assert b.gemv and b.m >= rows and b.k >= 576
@@ -237,6 +272,16 @@ def test_qkv_gemv_smollm2_heads():
 def test_qkv_gemv_row_groups():
     """Past one program's rows the q/k/v GEMV tiles the rows too."""
     _check_qkv_case(7, 3, 1, 16, torch.float32, "norm_bias", Blocks(2, 4, 32, 1, gemv=True))
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [Blocks(8, 8, 64, 2, gemv=True, all_rows=True), Blocks(4, 2, 16, 1, gemv=True, all_rows=True)],
+    ids=["one-chunk", "chunked-two-groups"],
+)
+def test_qkv_gemv_all_rows(blocks):
+    """The all-rows form of the q/k/v GEMV (verify widths), bf16 with the norm."""
+    _check_qkv_case(6, 3, 1, 16, torch.bfloat16, "norm", blocks)
 
 
 def _check_qkv_case(rows, heads, kv_heads, dim, dtype, fusion, blocks):
