@@ -56,10 +56,16 @@ def _round_normed(xk, rstd, scale):
 
 
 @triton.jit
-def _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM: tl.constexpr):
-    """Columns `ks` of the rows, RMS-normed when NORM, rounded as RMSNorm rounds."""
+def _input_tile(
+    x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM: tl.constexpr, ONE_CHUNK: tl.constexpr
+):
+    """Columns `ks` of the rows, RMS-normed when NORM (with rstd, or, when the chunk is the whole row,
+    with each row's own norm from the chunk: no second read of x), rounded as RMSNorm rounds."""
     xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if NORM:
+        if ONE_CHUNK:
+            xf = xk.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
         scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
         xk = _round_normed(xk, rstd[:, None], scale[None, :])
     return xk
@@ -80,19 +86,6 @@ def _input_row(
         else:
             r = _pick(rstd, idx, m)
         xk = _round_normed(xk, r, scale)
-    return xk.to(tl.float32)
-
-
-@triton.jit
-def _input_rows(x_rows, ks, row_ok, k_ok, K, eps, rstd, scale, NORM: tl.constexpr, ONE_CHUNK: tl.constexpr):
-    """The all-rows GEMV form's `_input_tile`: columns `ks` of every row, RMS-normed (with each row's
-    own norm when the chunk is the whole row), in fp32."""
-    xk = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    if NORM:
-        if ONE_CHUNK:
-            xf = xk.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / K + eps)
-        xk = _round_normed(xk, rstd[:, None], scale[None, :])
     return xk.to(tl.float32)
 
 
@@ -174,13 +167,14 @@ def _fused_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM and not ONE_CHUNK:
         rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -188,7 +182,7 @@ def _fused_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        xk = _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM)
+        xk = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK)
         w_mask = k_ok[:, None] & col_ok[None, :]
         wk = tl.load(w_cols + ks[:, None], mask=w_mask, other=0.0)
         if UPCAST:  # the interpreter's tl.dot mishandles bf16; fp32 products of bf16 values are exact
@@ -271,7 +265,7 @@ def _fused_gemv_kernel(
         if NORM:
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
         if ALL_ROWS:
-            xs = _input_rows(x_rows, ks, row_ok, k_ok, K, eps, rstd, scale, NORM, ONE_CHUNK)
+            xs = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK).to(tl.float32)
             acc += _dot_rows(xs, w)
             if GATED:
                 acc_up += _dot_rows(xs, w_up)
@@ -325,15 +319,11 @@ class Blocks:
 
 
 def gemv_blocks(rows: int, out_features: int, in_features: int) -> Blocks:
-    """The GEMV form's sizes: a sweep's fastest for the shape where `gemv_sizes` has them, else by
-    rule. The whole K in one chunk up to 2048 (one round trip to memory per program, not a chain of
+    """The GEMV form's sizes by rule: the whole K in one chunk up to 2048 (one round trip to memory per program, not a chain of
     them). Up to `ROW_AT_A_TIME` rows, a row at a time: the narrowest column block that still leaves
     about `GEMV_PROGRAMS` programs, and warps enough for about 32 weights a thread. Past that, every
     row at once, one output column a program, warps enough for about 64 products a thread (the
     [rows, 1, K] product lives in registers)."""
-    tuned = tuned_sizes(rows, out_features, in_features)
-    if tuned is not None:
-        return Blocks(**tuned, gemv=True)
     k = min(triton.next_power_of_2(max(in_features, 16)), 2048)
     if rows > ROW_AT_A_TIME:
         m = min(triton.next_power_of_2(rows), 16)
@@ -345,9 +335,13 @@ def gemv_blocks(rows: int, out_features: int, in_features: int) -> Blocks:
 
 
 def blocks_for(rows: int, out_features: int, in_features: int, gemv_rows: int | None = None) -> Blocks:
-    """Tile sizes by shape: at a few rows the matmul is a read of W, so narrow column tiles give it
+    """Tile sizes by shape: a GPU sweep's fastest (`gemv_sizes`) where it timed the shape at a like
+    row count, else by rule. At a few rows the matmul is a read of W, so narrow column tiles give it
     more programs (more SMs pulling weights); more rows share each weight tile instead. Up to
-    `gemv_rows` rows (default `GEMV_ROWS`) the GEMV form."""
+    `gemv_rows` rows (default `GEMV_ROWS`) the GEMV form. An explicit `gemv_rows` asks for the rule
+    alone (tests, sweeps)."""
+    if gemv_rows is None and (tuned := tuned_sizes(rows, out_features, in_features)) is not None:
+        return Blocks(**tuned)
     if rows <= (GEMV_ROWS if gemv_rows is None else gemv_rows):
         return gemv_blocks(rows, out_features, in_features)
     if rows <= 16:
@@ -446,6 +440,7 @@ def fused_linear(
         BLOCK_M=b.m,
         BLOCK_N=b.n,
         BLOCK_K=block_k,
+        ONE_CHUNK=block_k >= k,
         num_warps=b.warps,
     )
     return out
@@ -562,14 +557,15 @@ def _qkv_rope_store_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     head = tl.program_id(0)  # q heads, then k heads, then v heads: rows head * 2 HALF.. of W
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    i = tl.arange(0, BLOCK_HALF)
+    i = tl.program_id(2) * BLOCK_HALF + tl.arange(0, BLOCK_HALF)  # this program's rotation pairs
     row_ok, i_ok = rows < M, i < HALF
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM and not ONE_CHUNK:
         rstd = _row_rstd(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)
     lo = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)  # the head's first half, then its second
     hi = tl.zeros([BLOCK_M, BLOCK_HALF], dtype=tl.float32)
@@ -578,7 +574,7 @@ def _qkv_rope_store_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        xk = _input_tile(x_rows, ks, row_ok, k_ok, rstd, norm_ptr, NORM)
+        xk = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK)
         w_mask = k_ok[:, None] & i_ok[None, :]
         wl = tl.load(w_lo + ks[:, None], mask=w_mask, other=0.0)
         wh = tl.load(w_hi + ks[:, None], mask=w_mask, other=0.0)
@@ -679,7 +675,7 @@ def _qkv_gemv_kernel(
         if NORM:
             scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
         if ALL_ROWS:
-            xs = _input_rows(x_rows, ks, row_ok, k_ok, K, eps, rstd, scale, NORM, ONE_CHUNK)
+            xs = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK).to(tl.float32)
             lo += _dot_rows(xs, wl)
             hi += _dot_rows(xs, wh)
         else:
@@ -763,7 +759,8 @@ def qkv_rope_store(
 ) -> torch.Tensor:
     """RMSNorm (optional) → the stacked q/k/v projection → RoPE on q and k → k and v written to
     their cache slots, in one launch. Returns the rotated q [T, H, D]. `blocks` overrides
-    `blocks_for`'s choice (its `n` counts rotation pairs in the GEMV form, unused in the tile form)."""
+    `blocks_for`'s choice (its `n` counts rotation pairs a program: a head's pairs may be split over
+    several programs, at least 16 a program in the tile form)."""
     _check(x, weight, bias, norm, None, False)
     dim = _check_qkv(x, weight, qkv)
     if x.stride(1) != 1:
@@ -818,7 +815,8 @@ def qkv_rope_store(
             num_warps=b.warps,
         )
         return q_out
-    _qkv_rope_store_kernel[(heads, triton.cdiv(rows, b.m))](
+    block_half = max(16, min(b.n, triton.next_power_of_2(half)))  # tl.dot wants 16 columns or more
+    _qkv_rope_store_kernel[(heads, triton.cdiv(rows, b.m), triton.cdiv(half, block_half))](
         *args,
         HALF=half,
         NORM=norm is not None,
@@ -826,8 +824,9 @@ def qkv_rope_store(
         PRECISION="ieee" if x.dtype == torch.float32 or x.device.type != "cuda" else "tf32",
         UPCAST=x.device.type != "cuda",
         BLOCK_M=b.m,
-        BLOCK_HALF=max(16, triton.next_power_of_2(half)),
+        BLOCK_HALF=block_half,
         BLOCK_K=block_k,
+        ONE_CHUNK=block_k >= k,
         num_warps=b.warps,
     )
     return q_out

@@ -10,7 +10,8 @@ step do, so the weights come from HBM and not from L2; `--hot` reuses one copy):
              (RMSNorm before, silu_mul / RoPE + KV write / the residual add after)
     tile     the fused kernel's tile form (tl.dot), `blocks_for(..., gemv_rows=0)`
     gemv     the fused kernel's GEMV form at `blocks_for`'s default sizes
-    best     the fastest GEMV sizes of the sweep (BLOCK_N, BLOCK_K, num_warps)
+    best     the fastest sizes of the sweep (BLOCK_N, BLOCK_K, num_warps; `/all`: the GEMV form's
+             every-row-at-once variant; `tile/`: the tile form), from 5 rows up the tile form too
 
 and `layer`: a decoder layer's four matmuls with their neighbours (qkv_rope + o + gate_up + down)
 in one graph per variant. The sweep tries every size near the default at one row, the best few at
@@ -214,24 +215,38 @@ def sweep_configs(shape: Shape, rows: int) -> list[Blocks]:
                 for warps in (1, 2, 4, 8):
                     if 16 <= m * n * k // (32 * warps) <= 128:
                         found.append(Blocks(m, n, k, warps, gemv=True, all_rows=True))
+        # The tile form (tl.dot over 16 rows) with long K chunks: one or two trips to memory.
+        for n in (16, 32, 64):
+            for k in sorted({min(c, k_max) for c in (256, 512, 1024, 2048)}):
+                for warps in (2, 4, 8):
+                    if (16 + n) * k <= 65536:
+                        found.append(Blocks(max(16, m), n, k, warps))
 
     def distance(b: Blocks) -> float:
-        return (b.all_rows != default.all_rows) + sum(
-            abs(math.log2(a / d)) for a, d in ((b.n, default.n), (b.k, default.k), (b.warps, default.warps))
+        return (
+            (b.all_rows != default.all_rows)
+            + 2 * (b.gemv != default.gemv)
+            + sum(
+                abs(math.log2(a / d))
+                for a, d in ((b.n, default.n), (b.k, default.k), (b.warps, default.warps))
+            )
         )
 
     return sorted((b for b in found if b != default), key=distance)
 
 
 def cfg(b: Blocks) -> str:
-    return f"n{b.n}/k{b.k}/w{b.warps}" + ("/all" if b.all_rows else "")
+    return ("" if b.gemv else "tile/") + f"n{b.n}/k{b.k}/w{b.warps}" + ("/all" if b.all_rows else "")
 
 
 def parse_cfg(name: str, rows: int) -> Blocks:
-    parts = name.split("/")
+    tile = name.startswith("tile/")
+    parts = name.removeprefix("tile/").split("/")
     n, k, warps = (int(part[1:]) for part in parts[:3])
     all_rows = parts[-1] == "all"
     m = min(triton.next_power_of_2(rows), 16 if all_rows else 8)
+    if tile:
+        return Blocks(max(16, triton.next_power_of_2(rows)), n, k, warps)
     return Blocks(m, n, k, warps, gemv=True, all_rows=all_rows)
 
 
@@ -324,7 +339,7 @@ def main() -> None:
                     skipped += 1
                     continue
                 blocks = parse_cfg(name, rows)
-                if blocks.all_rows and rows <= ROW_AT_A_TIME:
+                if (blocks.all_rows or not blocks.gemv) and rows <= ROW_AT_A_TIME:
                     continue
                 if cfg(blocks) not in sweep:
                     sweep[cfg(blocks)] = timed_fused(cases[rows], shape, blocks)
@@ -381,8 +396,8 @@ def main() -> None:
 
 
 def _fields(b: Blocks) -> dict:
-    """A table entry's block sizes (the form is the GEMV one by the table's meaning)."""
-    return {"m": b.m, "n": b.n, "k": b.k, "warps": b.warps, "all_rows": b.all_rows}
+    """A table entry: `Blocks`' fields."""
+    return asdict(b)
 
 
 def _key(us: float) -> float:

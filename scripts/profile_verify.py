@@ -8,12 +8,16 @@ Which matmul path a bucket takes follows the environment (SPECSERVE_FUSED_LINEAR
 SPECSERVE_GEMV_ROWS, SPECSERVE_GEMV_SIZES), so runs under different settings compare paths.
 
     VERIFY_STEPS=5,8,15 VERIFY_BATCHES=1,2,4 python3 -P scripts/profile_verify.py
+
+VERIFY_KERNELS=1 also prints, for batch 1, the kernels of a decode replay and of each verify
+replay (torch.profiler over 20 replays: GPU us a replay by kernel), to see what a verify adds.
 """
 
 import os
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from specserve import LLM
 from specserve.model.loader import load_model
@@ -31,6 +35,21 @@ def replay_us(graph: torch.cuda.CUDAGraph) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / REPLAYS * 1e6
+
+
+def kernel_table(graph: torch.cuda.CUDAGraph, title: str) -> None:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(
+        ((e.key, e.self_device_time_total / 20, e.count // 20) for e in prof.key_averages()),
+        key=lambda r: -r[1],
+    )
+    total = sum(us for _, us, _ in rows)
+    print(f"{title}: {total:.1f} us of kernels a replay")
+    for name, us, count in rows[:12]:
+        print(f"  {us:8.1f} us {count:4d}x  {name[:90]}")
 
 
 def main() -> None:
@@ -54,6 +73,8 @@ def main() -> None:
                 bucket = (batch, q)
                 if bucket in graphs and bucket not in measured:
                     measured[bucket] = replay_us(graphs[bucket].graph)
+                    if os.environ.get("VERIFY_KERNELS") and batch == 1:
+                        kernel_table(graphs[bucket].graph, f"batch 1, query len {q}")
         del llm
         torch.cuda.empty_cache()
     print(f"{'batch':>6}{'query len':>10}{'tokens':>8}{'replay us':>11}{'x decode':>10}")

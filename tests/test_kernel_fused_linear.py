@@ -14,7 +14,6 @@ import sys
 import pytest
 import torch
 
-from specserve_kernels import fused_linear as fused_linear_module
 from specserve_kernels.fused_linear import (
     Blocks,
     QKVLayout,
@@ -141,9 +140,8 @@ def test_gemv_all_rows_matches_the_modules_in_turn(case, combo):
     _assert_close(out, fused_linear_ref(x, weight, gated=gated, **kwargs))
 
 
-def test_gemv_all_rows_by_default_past_four_rows(monkeypatch):
+def test_gemv_all_rows_by_default_past_four_rows():
     """The rule (no swept table): 5-16 rows in one all-rows block, the whole K in one chunk."""
-    monkeypatch.setattr(fused_linear_module, "tuned_sizes", lambda *shape: None)
     for rows in (5, 8, 9, 16):
         b = blocks_for(rows, 480, 576, gemv_rows=16)
         assert b.gemv and b.all_rows and rows <= b.m <= 16 and b.k >= 576
@@ -205,10 +203,9 @@ def test_tiles_grow_with_rows():
     assert blocks_for(1, 3072, 576, gemv_rows=0).n > blocks_for(1, 576, 576, gemv_rows=0).n
 
 
-def test_gemv_form_up_to_gemv_rows(monkeypatch):
+def test_gemv_form_up_to_gemv_rows():
     """1-4 rows take the GEMV form by default; SmolLM2-135M's matmuls get a program per few
     columns (over a hundred programs each) and the whole K in one chunk."""
-    monkeypatch.setattr(fused_linear_module, "tuned_sizes", lambda *shape: None)
     for rows in (1, 2, 3, 4):
         b = blocks_for(rows, 960, 576, gemv_rows=4)
         assert b.gemv and b.m >= rows and b.k >= 576
@@ -267,6 +264,13 @@ def test_qkv_gemv_smollm2_heads():
     _check_qkv_case(
         1, 9, 3, 64, torch.bfloat16, "norm", blocks if blocks.gemv else gemv_blocks(1, 15 * 32, 48)
     )
+
+
+@pytest.mark.parametrize("block_k", [16, 64], ids=["chunked", "one-chunk"])
+def test_qkv_tile_form_splits_a_head_over_programs(block_k):
+    """The tile form with 16 rotation pairs a program (a head of 64 over two programs), K in
+    several chunks (the norm from a first pass over x) or one (the norm from the chunk)."""
+    _check_qkv_case(5, 3, 1, 64, torch.bfloat16, "norm", Blocks(16, 16, block_k, 4))
 
 
 def test_qkv_gemv_row_groups():

@@ -1,5 +1,5 @@
 """The tuned GEMV sizes table: which swept row count serves a step, the file round trip, the
-environment switch, and that `gemv_blocks` takes a table's sizes over the rule."""
+environment switch, and that `blocks_for` takes a table's sizes over the rule."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 from specserve_kernels import fused_linear as fused_linear_module
-from specserve_kernels.fused_linear import Blocks, gemv_blocks
+from specserve_kernels.fused_linear import Blocks, blocks_for
 from specserve_kernels.gemv_sizes import SHIPPED, read_table, tuned_sizes, write_table
 
-SIX = {"m": 8, "n": 2, "k": 256, "warps": 2, "all_rows": True}
-TWELVE = {"m": 16, "n": 2, "k": 512, "warps": 8, "all_rows": True}
+SIX = {"m": 8, "n": 2, "k": 256, "warps": 2, "gemv": True, "all_rows": True}
+TWELVE = {"m": 16, "n": 32, "k": 1024, "warps": 4, "gemv": False, "all_rows": False}
 TABLE = {(6, 480, 576): SIX, (12, 480, 576): TWELVE}
 
 
@@ -32,17 +32,19 @@ def test_table_round_trip(tmp_path):
     assert read_table(path) == TABLE
 
 
-def test_gemv_blocks_prefers_the_table(monkeypatch):
+def test_blocks_for_prefers_the_table_unless_asked_for_the_rule(monkeypatch):
     monkeypatch.setattr(fused_linear_module, "tuned_sizes", lambda rows, n, k: TABLE.get((rows, n, k)))
-    assert gemv_blocks(6, 480, 576) == Blocks(**SIX, gemv=True)
-    assert gemv_blocks(6, 576, 576) != Blocks(**SIX, gemv=True)  # not in the table: the rule
+    assert blocks_for(6, 480, 576) == Blocks(**SIX)
+    assert blocks_for(12, 480, 576) == Blocks(**TWELVE)  # a tile-form entry
+    assert blocks_for(6, 576, 576) != Blocks(**SIX)  # not in the table: the rule
+    assert blocks_for(6, 480, 576, gemv_rows=4) != Blocks(**SIX)
 
 
 def test_the_shipped_table_names_valid_sizes():
     if not SHIPPED.is_file():
         return
     for (rows, _, _), blocks in read_table(SHIPPED).items():
-        b = Blocks(**blocks, gemv=True)
+        b = Blocks(**blocks)
         assert rows <= b.m <= 16 and b.n >= 1 and b.k >= 16 and 1 <= b.warps <= 8
 
 
