@@ -289,6 +289,7 @@ def main() -> None:
     )
     parser.add_argument("--top", type=int, default=3, help="sizes of the 1-row sweep retried at more rows")
     parser.add_argument("--hot", action="store_true", help="one weight copy: weights stay in L2")
+    parser.add_argument("--sweep-shapes", default=",".join(s.name for s in SHAPES), help="shapes to sweep")
     args = parser.parse_args()
     os.environ.setdefault(SIZES_ENV, "none")  # the rule's sizes are the defaults a sweep starts from
     began = time.perf_counter()
@@ -322,7 +323,8 @@ def main() -> None:
     deadline = sweep_start + args.budget_s * (0.7 if len(row_counts) > 1 else 1.0)
     skipped = 0
     first = row_counts[0]
-    per_shape = [[(s, b) for b in sweep_configs(s, first)] for s in SHAPES]
+    swept = [s for s in SHAPES if s.name in args.sweep_shapes.split(",")]
+    per_shape = [[(s, b) for b in sweep_configs(s, first)] for s in swept]
     nearest_first = (job for rank in zip_longest(*per_shape) for job in rank if job)  # every shape's
     for shape, blocks in nearest_first:
         if time.perf_counter() > deadline:
@@ -331,7 +333,7 @@ def main() -> None:
         results[first][shape.name]["sweep"][cfg(blocks)] = timed_fused(cases[first], shape, blocks)
     deadline = sweep_start + args.budget_s
     for rows in row_counts[1:]:
-        for shape in SHAPES:
+        for shape in swept:
             ranked = sorted(results[first][shape.name]["sweep"].items(), key=lambda kv: _key(kv[1]))
             sweep = results[rows][shape.name]["sweep"]
             for name, _ in ranked[: args.top]:
