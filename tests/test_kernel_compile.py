@@ -4,7 +4,7 @@ The interpreter the other kernel tests use skips the GPU compiler entirely, so t
 unsupported constructs that only it rejects would first show on the GPU machine. Triton compiles
 ahead of time for a named target with the ptxas it bundles, no driver needed; this does so for one
 variant of each kernel (the SmolLM2 shapes: decode tile with split-K and a tree mask, prefill tile,
-the split merge, RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels in
+RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels in
 their tile and GEMV forms), in a subprocess because this process's triton runs in interpreter mode.
 """
 
@@ -43,25 +43,29 @@ COMPILE = textwrap.dedent(
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
     ints = {n: "*i64" for n in ("query_start_ptr", "seq_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr")}
-    attn = {"default": "*bf16", "mask_ptr": "*u8", **{n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")}}
+    attn = {"default": "*bf16", "mask_ptr": "*u8", "counter_ptr": "*i32", **{n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")}}
     common = dict(GROUP=3, HEAD_DIM=64, BLOCK_D=64, PRECISION="tf32", UPCAST=False)
     decode = dict(PAGE_SIZE=16, BLOCK_M=16, BLOCK_Q=5, BLOCK_N=64, SPLIT=True, CUSTOM_MASK=True)
     prefill = dict(PAGE_SIZE=1, BLOCK_M=128, BLOCK_Q=42, BLOCK_N=64, SPLIT=False, CUSTOM_MASK=False)
     compile_(pa._paged_attention_kernel, {**attn, **ints}, {**common, **decode})
     compile_(pa._paged_attention_kernel, {**attn, **ints}, {**common, **prefill}, num_warps=8)
-    compile_(pa._merge_splits_kernel, {"default": "*fp32", "out_ptr": "*bf16"}, dict(HEAD_DIM=64, BLOCK_H=16, BLOCK_D=64))
     rope = dict(HALF=32, BLOCK_H=16, BLOCK_KH=4, BLOCK_HALF=32, ROPE=True)
     compile_(rs._rope_kv_store_kernel, {"default": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **ints}, rope, 1)
     compile_(rn._add_rms_norm_kernel, {"default": "*bf16"}, dict(HAS_RESIDUAL=True, BLOCK=1024))
-    blocks = dict(PRECISION="tf32", UPCAST=False, BLOCK_M=16, BLOCK_K=128)
+    blocks = dict(PRECISION="tf32", UPCAST=False, BLOCK_M=16, BLOCK_K=128, ONE_CHUNK=False)
     flags = dict(NORM=True, BIAS=False, RESIDUAL=False)
     compile_(fl._fused_linear_kernel, {"default": "*bf16"}, {**blocks, **flags, "GATED": True, "BLOCK_N": 32})
     compile_(fl._fused_linear_kernel, {"default": "*bf16"}, {**blocks, "NORM": False, "BIAS": False, "RESIDUAL": True, "GATED": False, "BLOCK_N": 16})
     qkv = {"default": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", **ints}
     compile_(fl._qkv_rope_store_kernel, qkv, {**blocks, "NORM": True, "BIAS": True, "HALF": 32, "BLOCK_HALF": 32})
-    gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ONE_CHUNK=True)
+    compile_(fl._qkv_rope_store_kernel, qkv, {**blocks, "BLOCK_K": 1024, "ONE_CHUNK": True, "NORM": True, "BIAS": False, "HALF": 32, "BLOCK_HALF": 16})
+    compile_(fl._fused_linear_kernel, {"default": "*bf16"}, {**blocks, **flags, "BLOCK_K": 256, "GATED": True, "BLOCK_N": 32})
+    gemv = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, ONE_CHUNK=True, ALL_ROWS=False)
     compile_(fl._fused_gemv_kernel, {"default": "*bf16"}, {**gemv, **flags, "GATED": True}, 4)
-    chunked = dict(BLOCK_M=4, BLOCK_N=2, BLOCK_K=512, ONE_CHUNK=False)
+    chunked = dict(BLOCK_M=4, BLOCK_N=2, BLOCK_K=512, ONE_CHUNK=False, ALL_ROWS=False)
+    all_rows = dict(BLOCK_M=8, BLOCK_N=2, BLOCK_K=1024, ONE_CHUNK=True, ALL_ROWS=True)
+    compile_(fl._fused_gemv_kernel, {"default": "*bf16"}, {**all_rows, **flags, "GATED": True}, 4)
+    compile_(fl._qkv_gemv_kernel, qkv, {**all_rows, "NORM": True, "BIAS": False, "HALF": 32}, 4)
     compile_(fl._fused_gemv_kernel, {"default": "*bf16"}, {**chunked, **flags, "RESIDUAL": True, "BIAS": True, "GATED": False}, 2)
     compile_(fl._qkv_gemv_kernel, qkv, {**gemv, "NORM": True, "BIAS": True, "HALF": 32}, 2)
     compile_(fl._qkv_gemv_kernel, qkv, {**chunked, "NORM": True, "BIAS": False, "HALF": 32}, 2)

@@ -17,7 +17,7 @@ import torch
 from specserve.attention.backend import AttentionBatch
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.engine.kv_cache import KVCache
-from specserve_kernels.paged_attention import paged_attention, paged_attention_ref
+from specserve_kernels.paged_attention import paged_attention, paged_attention_ref, split_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -124,6 +124,10 @@ def test_matches_reference_and_torch_backend(mode, page_size, dtype):
     for splits in (None, 3):  # None: the heuristic (one slice on the CPU); 3 slices, some empty
         assert_matches(paged_attention(*case.args(), splits=splits), ref)
     assert_matches(paged_attention(*case.args()), torch_backend_out(case))
+    # The merge's tickets went back to zero: the next split launch (here, the same again) counts
+    # from zero, and gives the same result.
+    assert not split_counters(1, case.q.device).any()
+    assert torch.equal(paged_attention(*case.args(), splits=3), paged_attention(*case.args(), splits=3))
 
 
 def test_rows_that_see_nothing_give_zeros_and_padding_requests_are_skipped():

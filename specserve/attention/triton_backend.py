@@ -1,6 +1,7 @@
 """The Triton attention backend: the GPU fast path over the same paged KV cache as the torch backend.
 
-Per layer it makes two launches (three when the keys are split for a small batch): RoPE on q/k fused
+Per layer it makes two launches (the keys split over programs for a small batch, merged in the same
+launch): RoPE on q/k fused
 with the KV write (`specserve_kernels.rope_store`), then paged attention straight over the cache
 pages (`specserve_kernels.paged_attention`: prefill, decode and verify, causal or a tree mask). It
 also hands the decoder the fused residual-add + RMSNorm (`specserve_kernels.rms_norm`), so each
@@ -8,13 +9,15 @@ layer's two norms are one launch each too, and the MLP's fused silu(gate) * up (
 Steps of at most `fused_linear_tokens` tokens can go further: the decoder carries one residual
 stream through four matmuls per layer with each norm, the activation and each residual add fused
 in, the first of them also applying RoPE and writing the KV cache (`specserve_kernels.fused_linear`),
-so a layer is those four plus attention. On by default for steps of at most 4 tokens
-(`FUSED_LINEAR_TOKENS`), where the matmuls take the kernels' GEMV form (`blocks_for`: many programs,
-each a few output columns over the whole K; SPECSERVE_GEMV_ROWS): on an H100 a layer's four matmuls
-took 13.2 us at one token against 27.9 for cuBLAS with the separate kernels, and a batch-1 decode
-step's graph 0.65 ms against 0.99 (`scripts/bench_gemv.py`, `scripts/profile_step.py`). The tile form
-(tl.dot) that larger steps would take was no faster than cuBLAS at 1-8 tokens and slower at 64, so
-steps past 4 tokens stay on cuBLAS (docs/benchmarks.md).
+so a layer is those four plus attention. On by default for steps of at most 16 tokens
+(`FUSED_LINEAR_TOKENS`): decode at small batch and the verifies of chains and small trees. At 1-4
+tokens the matmuls take the kernels' GEMV form (`blocks_for`: many programs, each a few output
+columns over the whole K; SPECSERVE_GEMV_ROWS): on an H100 a layer's four matmuls took 13.2 us at
+one token against 27.9 for cuBLAS with the separate kernels, and a batch-1 decode step's graph
+0.65 ms against 0.99. At 5-16 tokens they take the sizes a GPU sweep found fastest
+(`specserve_kernels.gemv_sizes`): 19-20 us a layer against 27.3, a batch-1 verify graph of 6-16
+tokens 0.89-0.92 ms against 1.02-1.04 (`scripts/bench_gemv.py`, `scripts/profile_verify.py`,
+docs/benchmarks.md). Larger steps stay on cuBLAS.
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
@@ -50,12 +53,14 @@ from specserve_kernels.silu_mul import silu_mul, silu_mul_ref
 if TYPE_CHECKING:
     from specserve.model.layers import RotaryEmbedding
 
-# Steps up to this many tokens run the fused matmuls: those are the steps whose matmuls take the
-# GEMV form (`GEMV_ROWS`, also 4), which on an H100 cut a layer's four matmuls from 27.9 to 13.2 us
-# at one token and a batch-1 decode step's graph from 0.99 to 0.65 ms; from 8 tokens up cuBLAS is
-# as fast or faster (docs/benchmarks.md). SPECSERVE_FUSED_LINEAR_TOKENS sets it (0: never), so a
-# GPU run can time both paths from one copy of the code.
-FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "4"))
+# Steps up to this many tokens run the fused matmuls. At 1-4 tokens they take the GEMV form, which on
+# an H100 cut a layer's four matmuls from 27.9 to 13.2 us and a batch-1 decode step's graph from 0.99
+# to 0.65 ms; at 5-16 tokens (verifies) the sizes a sweep found fastest (kernels/gemv_sizes.json: the
+# tile form with short K chunks, the q/k/v GEMV with every row at once), 19-20 us a layer against
+# 27.3 for cuBLAS with its separate kernels, which cut a batch-1 verify graph of 6-16 tokens from
+# 1.02-1.04 to 0.89-0.92 ms (docs/benchmarks.md). SPECSERVE_FUSED_LINEAR_TOKENS sets it (0: never),
+# so a GPU run can time both paths from one copy of the code.
+FUSED_LINEAR_TOKENS = int(os.environ.get("SPECSERVE_FUSED_LINEAR_TOKENS", "16"))
 
 
 class TritonAttentionContext(AttentionContext):
