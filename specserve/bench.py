@@ -51,7 +51,7 @@ class BenchRow:
     step_ms: dict[str, float] | None = None
     tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
     # adaptive speculation, after the run: the policy's predicted step ms per tier at this batch (and
-    # the measured wall ms of the steps each tier ran at it, `measured_step_ms`; the median ms of its
+    # the measured wall ms of the steps each tier ran at it, `measured_step_ms`; the mean ms of its
     # steady steps, which prices it, and of its transitions, `steady_step_ms`, `transition_step_ms`), the
     # pooled per-position acceptance (and its evidence), probes, predicted vs measured goodput
     adaptive: dict | None = None
@@ -374,7 +374,7 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
 
 
 def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
-    """One line per adaptive run: the policy's step ms per tier beside the median ms of its steady
+    """One line per adaptive run: the policy's step ms per tier beside the mean ms of its steady
     steps (what prices it) and of its transitions (probes, first steps after plain ones; settles
     left out), with their counts; pooled acceptance per position, probes (won), predicted vs
     measured goodput: why it chose what it did."""

@@ -60,14 +60,15 @@ def test_step_costs_interpolate_extrapolate_and_average():
     assert c.estimate(VERIFY, 2, 5) == pytest.approx(6 * MS)  # below the smallest: its cost
     assert c.estimate(VERIFY, 8, 3) == pytest.approx(2 * MS * 3)  # width 1 is nearest: per token
     assert c.estimate(DRAFT, 4, 1) == pytest.approx(4e-6)  # nothing measured: the default
-    # live: the median of the last 2 / alpha - 1 = 3 measurements, once there are MIN_SAMPLES of them
+    # live: the mean of the last 2 / alpha - 1 = 3 measurements, less those over twice their median,
+    # once there are MIN_SAMPLES of them
     c.observe(VERIFY, 8, 1, 4 * MS)
     c.observe(VERIFY, 8, 1, 2.5 * MS)
     assert c.estimate(VERIFY, 8, 1) == pytest.approx(2 * MS)  # till then the profile
     c.observe(VERIFY, 8, 1, 3 * MS)
-    assert c.estimate(VERIFY, 8, 1) == pytest.approx(3 * MS)
-    c.observe(VERIFY, 8, 1, 30 * MS)  # an outlier moves the median by one rank, not by its excess
-    assert c.estimate(VERIFY, 8, 1) == pytest.approx(3 * MS)  # of 2.5, 3 and 30
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(9.5 / 3 * MS)
+    c.observe(VERIFY, 8, 1, 30 * MS)  # an outlier drops out, it does not lift the price by its excess
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(2.75 * MS)  # of 2.5, 3 and 30
     c.observe(VERIFY, 0, 1, 1.0)  # an empty step says nothing
     assert (VERIFY, 0, 1) not in c.measured()
 

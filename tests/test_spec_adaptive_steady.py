@@ -125,7 +125,7 @@ def test_a_one_off_cost_in_a_short_warm_up_does_not_price_the_next_batch():
     those verifies, taken whole as batch 2's residual (the first gap counted whole), priced every
     tier at batch 1 (the nearest batch) at several times its cost, and none ran there to correct
     it (`scripts/adaptive_sim.py`, MT-Bench batch 1: 0.66x the best static, as on the H100). A
-    residual now waits for a few steady gaps and takes their median."""
+    residual now waits for a few steady gaps and leaves out those over twice their median."""
     costs = StepCosts()
     costs.profile(VERIFY, [(b, q) for b in (1, 2) for q in (1, 9)], lambda b, q: 1.0 * MS)
     costs.observe(VERIFY, 2, 9, 6.0 * MS)  # the warm-up's one-off

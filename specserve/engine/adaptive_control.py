@@ -39,7 +39,6 @@ not the tier's cost either. Those steps still fill in a shape nothing else price
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from specserve.engine.stats import SpecSettings, StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
 from specserve.spec.draft_depths import VerifyShapes
-from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, robust_mean
 
 DIAGNOSTIC_STEPS = 256  # steps per (tier, batch) whose costs `diagnostics` summarises
 
@@ -229,9 +228,10 @@ class AdaptiveSpeculation:
     def diagnostics(self, batch: int | None = None) -> dict:
         """For benchmark reports: the policy's cost table and pooled acceptance at `batch` (default:
         the last decision's), beside the mean wall ms of the steps each tier ran at that batch
-        (`measured_step_ms`, settles included), the median ms of its steady steps (`steady_step_ms`:
+        (`measured_step_ms`, settles included), the mean ms of its steady steps (`steady_step_ms`:
         what the predictions must match) and of its transitions (`transition_step_ms`: probes and
-        first steps, settles left out) with their counts (`steady_steps`, `transition_steps`, of
+        first steps, settles left out), outliers left out as the cost tables leave them
+        (`step_costs.robust_mean`), with their counts (`steady_steps`, `transition_steps`, of
         the last `DIAGNOSTIC_STEPS`), the probe record, and the predicted beside the measured
         goodput (tokens/s)."""
         d = self.policy.diagnostics(batch)
@@ -242,9 +242,9 @@ class AdaptiveSpeculation:
             if b == at
         }
 
-        def medians(kept: dict[tuple[str, int], deque[float]]) -> dict[str, float]:
+        def means(kept: dict[tuple[str, int], deque[float]]) -> dict[str, float]:
             return {
-                t.name: round(statistics.median(kept[(t.name, at)]) * 1e3, 4)
+                t.name: round(robust_mean((ms, ms) for ms in kept[(t.name, at)]) * 1e3, 4)
                 for t in self.tiers
                 if kept.get((t.name, at))
             }
@@ -255,8 +255,8 @@ class AdaptiveSpeculation:
         return {
             **d,
             "measured_step_ms": {t.name: measured[t.name] for t in self.tiers if t.name in measured},
-            "steady_step_ms": medians(self._steady_ms),
-            "transition_step_ms": medians(self._transition_ms),
+            "steady_step_ms": means(self._steady_ms),
+            "transition_step_ms": means(self._transition_ms),
             "steady_steps": counts(self._steady_ms),
             "transition_steps": counts(self._transition_ms),
             "predicted_goodput": round(self.predicted_goodput, 1),

@@ -163,7 +163,8 @@ class AdaptiveSettings(BaseModel):
         ge=0,
         le=1,
         description="How fast measured steps replace each other in a shape's cost, as an average's weight: "
-        "a shape costs the median of its last 2 / cost_alpha - 1 steady steps (0: keep the start-up profile).",
+        "a shape costs the mean of its last 2 / cost_alpha - 1 steady steps, outliers left out "
+        "(0: keep the start-up profile).",
     )
     profile: bool = Field(
         _adaptive_default("profile"),

@@ -7,7 +7,7 @@ host time), and a plain decode step as the engine runs it with speculation off, 
 host work of the step before (`DECODE`, measured only: its host work hides behind the device's, so
 it costs less than a synchronous pass of one token). Each is a table of seconds keyed by (batch,
 width), filled by start-up profiling of the CUDA-graph buckets and kept current by what steady
-live steps measured (the median of the last few, below). Shapes never measured are interpolated
+live steps measured (a robust mean of the last few, below). Shapes never measured are interpolated
 linearly in batch between the nearest measured ones of the same width (past the largest, scaled in
 proportion; below the smallest, its cost: small batches are bound by launches, not by size), so one
 profile of the buckets covers every batch in between.
@@ -15,7 +15,7 @@ profile of the buckets covers every batch in between.
 A profile times the device pass alone (input building, launch, sync); a live step adds its host
 work (verify, compaction, postprocess), which grows with the batch but hardly with the draft length.
 So each live measurement of a profiled shape also updates that kind's residual at its batch
-(measured minus profiled, the median of its last gaps, so whole from the first one, not grown
+(measured minus profiled, a robust mean of its last gaps, so whole from the first ones, not grown
 from 0: issue 9's H100 run had the policy price a 64-request verify at a fifth of its host work for
 its first steps), and a
 profiled shape not yet measured live is estimated as its profile plus the residual, interpolated
@@ -33,13 +33,15 @@ was measured, it costs the borrowed kind's profile alone: an overlapped plain st
 work behind the device pass, so a synchronous one-token pass with the verify's host work on top
 priced it at up to 1.7x its cost (the policy at batch 1 and 4 had never run a plain step).
 
-What a live shape costs is the median of its last `window` steady measurements (and a residual the
-median of its last gaps), not a moving average: one step that paid for something else (a prefill
-settled inside the first plain step of a run, a first-time cost, a host hiccup) moves a median by
-one rank, where it lifted an average with alpha 0.2 by a fifth of its excess and took ten steps to
-fade (issue 9's H100 run, MT-Bench batch 16: a plain step priced 4.11 ms against 1.19 real, never
-corrected because the policy, believing it, stopped running plain steps there). `window` is the
-EMA's span, 2 / alpha - 1 (alpha 0.2: 9 steps). Which steps are steady is the engine's call
+What a live shape costs is the mean of its last `window` steady measurements less those over
+`OUTLIER` times their median (and a residual likewise of its last gaps), not a moving average: one
+step that paid for something else (a prefill settled inside the first plain step of a run, a
+first-time cost, a host hiccup) drops out, where it lifted an average with alpha 0.2 by a fifth of
+its excess and took ten steps to fade (issue 9's H100 run, MT-Bench batch 16: a plain step priced
+4.11 ms against 1.19 real, never corrected because the policy, believing it, stopped running plain
+steps there). Not their median: a chain tier's steps differ by what its lookups found (a step
+whose drafts came out short runs a narrower CUDA-graph bucket), and its cost is their mean; the
+median priced it at its dearer steps. `window` is the EMA's span, 2 / alpha - 1 (alpha 0.2: 9). Which steps are steady is the engine's call
 (`specserve/engine/adaptive_control.py`); a measurement marked not steady (a transition: the first
 step of a tier, a probe) never sets a price where there is a profile or a steady one: it fills in
 only a shape nothing else prices. Pricing a tier from its probes is how the H100 run priced the
@@ -54,16 +56,18 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
-# Steady measurements a shape's live price (and a batch's residual) waits for: their median leaves
-# out one outlier. One is not enough: the bench's warm-up verifies at batch 2 a few steps only, and
-# a one-off cost in one of them, taken as that batch's residual, priced every tier at batch 1 at
-# 4-6x (the batch next to it), so no tier ran there to correct it (`scripts/adaptive_sim.py`).
+# Steady measurements a shape's live price (and a batch's residual) waits for: with three, one
+# outlier is told by their median. One is not enough: the bench's warm-up verifies at batch 2 a few
+# steps only, and a one-off cost in one of them, taken as that batch's residual, priced every tier
+# at batch 1 at 4-6x (the batch next to it), so no tier ran there to correct it
+# (`scripts/adaptive_sim.py`).
 MIN_SAMPLES = 3
+OUTLIER = 2.0  # a measurement over this many times its window's median is not the shape's cost
 
 
 class StepCosts:
     """`alpha`: how fast measurements replace each other, as an EMA's weight (0: keep the profile):
-    a live shape costs the median of its last 2 / alpha - 1 steady measurements, once it has
+    a live shape costs the robust mean of its last 2 / alpha - 1 steady measurements, once it has
     `MIN_SAMPLES` of them (before, its profile and the residual, or what it is derived from).
     `default`: seconds a kind's unmeasured shape is assumed to cost per token (batch * width) when no
     shape of its width was measured at all; an engine replaces it within the first steps."""
@@ -78,10 +82,16 @@ class StepCosts:
         self._table: dict[tuple[str, int], dict[int, float]] = {}
         self._profiled: dict[tuple[str, int], dict[int, float]] = {}
         self._live: set[tuple[str, int, int]] = set()  # (kind, width, batch) measured steady while serving
-        self._samples: dict[tuple[str, int, int], deque[float]] = {}  # steady measurements, newest last
-        self._loose: dict[tuple[str, int, int], deque[float]] = {}  # transitions' (shapes nothing prices)
-        self._gaps: dict[tuple[str, int], deque[float]] = {}  # (kind, batch) -> live minus profiled
-        self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> median of its gaps
+        # (seconds, value) of the last steady measurements, newest last: the value is the seconds, or
+        # for a residual the seconds beyond the profile (an outlier is told by its seconds)
+        self._samples: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
+        self._loose: dict[
+            tuple[str, int, int], deque[tuple[float, float]]
+        ] = {}  # transitions' (unpriced shapes)
+        self._gaps: dict[
+            tuple[str, int], deque[tuple[float, float]]
+        ] = {}  # (kind, batch) -> live minus profiled
+        self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> robust mean of its gaps
 
     def observe(self, kind: str, batch: int, width: int, seconds: float, steady: bool = True) -> None:
         """A live step of this shape took `seconds`. `steady`: a step like its neighbours (no
@@ -94,21 +104,21 @@ class StepCosts:
             if self._profiled.get((kind, width)) or key in self._live:
                 return  # priced by its profile (plus steady steps' residual) or its steady steps
             loose = self._loose.setdefault(key, deque(maxlen=self.window))
-            loose.append(seconds)
-            row[batch] = statistics.median(loose)
+            loose.append((seconds, seconds))
+            row[batch] = robust_mean(loose)
             return
         samples = self._samples.setdefault(key, deque(maxlen=self.window))
-        samples.append(seconds)
+        samples.append((seconds, seconds))
         if len(samples) >= self.min_samples:
             self._loose.pop(key, None)
-            row[batch] = statistics.median(samples)
+            row[batch] = robust_mean(samples)
             self._live.add(key)
         profiled = self._profiled.get((kind, width))
         if profiled:
             gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
-            gaps.append(seconds - _interpolate(profiled, batch))
+            gaps.append((seconds, seconds - _interpolate(profiled, batch)))
             if len(gaps) >= self.min_samples:
-                self._residual.setdefault(kind, {})[batch] = statistics.median(gaps)
+                self._residual.setdefault(kind, {})[batch] = robust_mean(gaps)
 
     def samples(self, kind: str, batch: int, width: int) -> int:
         """How many steady measurements of this shape are kept (at most `window`; its price counts
@@ -185,6 +195,18 @@ class StepCosts:
     def measured(self) -> dict[tuple[str, int, int], float]:
         """Every measured shape: (kind, batch, width) -> seconds."""
         return {(k, b, w): s for (k, w), row in self._table.items() for b, s in row.items()}
+
+
+def robust_mean(samples: Iterable[tuple[float, float]]) -> float:
+    """The mean value of the (seconds, value) samples whose seconds are within `OUTLIER` times their
+    median: a step that paid for something else (a prefill, a one-off cost: several times a step)
+    drops out, while the spread of a tier's own steps stays in (a chain step whose lookups found
+    short drafts runs a narrower bucket, ~0.7x a full one: their median alone priced the tier at
+    its dearer steps, their mean is what it costs)."""
+    samples = list(samples)
+    cut = OUTLIER * statistics.median(seconds for seconds, _ in samples)
+    kept = [value for seconds, value in samples if seconds <= cut]
+    return sum(kept) / len(kept)
 
 
 def _slope(row: dict[int, float], sizes: list[int]) -> float:
