@@ -2,14 +2,14 @@
 
 The real control code (`AdaptiveSpeculation`: policy, acceptance estimates, cost tables) decides
 every step; the engine around it is a model whose clock is an issue 9 H100 run (`scripts/adaptive_gpu.sh`,
-SPECSERVE_FUSED_LINEAR_TOKENS=4; docs/benchmarks.md, fifth session): per batch size, the wall ms of a plain
+docs/benchmarks.md, fifth and sixth sessions): per batch size, the wall ms of a plain
 (overlapped) step and of each static n-gram chain's step by phase (draft, target, postprocess), from
 the bench rows' `step_ms`, interpolated in batch. A step of adaptive runs the chain whose CUDA-graph
 bucket fits its widest draft. The start-up profile sees only a device pass (`PROFILE_SHARE` of a
 live target phase: verify and compaction are host work it misses) and a lookup, as
-`engine/cost_profile.py` does. As in `specserve bench offline`: one engine for every batch size in
-turn (the policy keeps what it learnt), each request makes `--tokens` tokens and leaves, so the
-batch thins in the tail; of `--repeats` runs the faster counts.
+`engine/cost_profile.py` does. As in `specserve bench offline`: one engine per system for every batch
+size in turn, warmed up first (the policy keeps what it learnt), each request makes `--tokens` tokens
+and leaves, so the batch thins in the tail; of `--repeats` runs the faster counts.
 
 Acceptance is n-gram-like, bimodal (a short or a long match, or none), per request (`TEXT`: classes
 fitted to the H100's accept lengths, `ACCEPT`). `--run` picks the H100 run that clocks the steps
@@ -18,13 +18,14 @@ fifth session's run after its cost-model fix; `first`: the one before, whose pla
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
-pays `--first-ms` more (one-off costs).
-Prints, per batch, tokens/s of plain and each static chain and their accept lengths (beside the
-H100's), of adaptive, issue 9's verdict, the steps per tier and the policy's predicted step ms
-beside the clock's.
+pays `--first-ms` more (one-off costs): the effects that mispriced the sixth run's tables (its
+batch-1 miss, 0.66x, comes out at 0.66x; docs/benchmarks.md). Prints, per batch, tokens/s of plain
+and each static chain and their accept lengths (beside the H100's), of adaptive, issue 9's
+verdict, the steps per tier, the policy's predicted step ms beside the clock's steady ones, and the
+mean ms of the steady and the transition steps the control code saw.
 
     PYTHONPATH=... python -P scripts/adaptive_sim.py [--workload mixed|mt-bench] [--batches 1,4,16,64]
-        [--run sixth|latest|first] [--prefill-us 1.5] [--transition 0.5] [--jitter 0.15]
+        [--run sixth|latest|first] [--prefill-us 1.5] [--transition 0.5] [--first-ms 5] [--jitter 0.15]
 """
 
 from __future__ import annotations
