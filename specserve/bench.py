@@ -51,7 +51,8 @@ class BenchRow:
     step_ms: dict[str, float] | None = None
     tier_steps: dict[str, int] | None = None  # adaptive speculation: steps per tier (`Tier.name`)
     # adaptive speculation, after the run: the policy's predicted step ms per tier at this batch (and
-    # the measured wall ms of the steps each tier ran at it, `measured_step_ms`), the
+    # the measured wall ms of the steps each tier ran at it, `measured_step_ms`; the mean ms of its
+    # steady steps, which prices it, and of its transitions, `steady_step_ms`, `transition_step_ms`), the
     # pooled per-position acceptance (and its evidence), probes, predicted vs measured goodput
     adaptive: dict | None = None
 
@@ -373,26 +374,34 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
 
 
 def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
-    """One line per adaptive run: the policy's step ms per tier, pooled acceptance per position,
-    probes (won), predicted vs measured goodput: why it chose what it did."""
+    """One line per adaptive run: the policy's step ms per tier beside the mean ms of its steady
+    steps (what prices it) and of its transitions (probes, first steps after plain ones; settles
+    left out), with their counts; pooled acceptance per position, probes (won), predicted vs
+    measured goodput: why it chose what it did."""
     lines = []
     for r in rows:
         d = r.adaptive
         if not d:
             continue
-        measured = d.get("measured_step_ms", {})
-        cost = " ".join(
-            f"{name}:{ms:.2f}" + (f"/{measured[name]:.2f}" if name in measured else "")
-            for name, ms in d["step_ms"].items()
-        )
+        cost = " ".join(_cost_cell(d, name, ms) for name, ms in d["step_ms"].items())
         accept = " ".join(f"{a:.2f}" for a in next(iter(d["pooled_acceptance"].values()), []))
         lines.append(
             f"adaptive {r.system} b{r.batch_size}: now {d['current']}; ms/step at b{d['batch']} "
-            f"(predicted/measured) {cost}; accept/pos {accept}; "
+            f"(predicted/steady/transitions (steps)) {cost}; accept/pos {accept}; "
             f"probes {d['probes_won']}/{d['probes']} won (every {d['probe_interval']}); "
             f"goodput pred {d['predicted_goodput']:,.0f} meas {d['measured_goodput']:,.0f} tok/s"
         )
     return lines
+
+
+def _cost_cell(d: dict, name: str, ms: float) -> str:
+    """`NAME:PREDICTED/STEADY/TRANSITIONS (STEADY STEPS/TRANSITION STEPS)`, `-` where none ran."""
+    steady, transition = d.get("steady_step_ms", {}), d.get("transition_step_ms", {})
+    if name not in steady and name not in transition:
+        return f"{name}:{ms:.2f}"
+    seen = "/".join(f"{kept[name]:.2f}" if name in kept else "-" for kept in (steady, transition))
+    counts = "/".join(str(d.get(key, {}).get(name, 0)) for key in ("steady_steps", "transition_steps"))
+    return f"{name}:{ms:.2f}/{seen} ({counts})"
 
 
 def _step_cell(step_ms: dict[str, float] | None) -> str:

@@ -10,7 +10,7 @@ import pytest
 from specserve.spec.acceptance import AcceptanceTracker, expected_tokens
 from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier, default_tiers
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, goodput_depths
-from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, VERIFY, StepCosts
 
 MS = 1e-3
 
@@ -60,8 +60,15 @@ def test_step_costs_interpolate_extrapolate_and_average():
     assert c.estimate(VERIFY, 2, 5) == pytest.approx(6 * MS)  # below the smallest: its cost
     assert c.estimate(VERIFY, 8, 3) == pytest.approx(2 * MS * 3)  # width 1 is nearest: per token
     assert c.estimate(DRAFT, 4, 1) == pytest.approx(4e-6)  # nothing measured: the default
+    # live: the mean of the last 2 / alpha - 1 = 3 measurements, less those over twice their median,
+    # once there are MIN_SAMPLES of them
     c.observe(VERIFY, 8, 1, 4 * MS)
-    assert c.estimate(VERIFY, 8, 1) == pytest.approx(3 * MS)
+    c.observe(VERIFY, 8, 1, 2.5 * MS)
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(2 * MS)  # till then the profile
+    c.observe(VERIFY, 8, 1, 3 * MS)
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(9.5 / 3 * MS)
+    c.observe(VERIFY, 8, 1, 30 * MS)  # an outlier drops out, it does not lift the price by its excess
+    assert c.estimate(VERIFY, 8, 1) == pytest.approx(2.75 * MS)  # of 2.5, 3 and 30
     c.observe(VERIFY, 0, 1, 1.0)  # an empty step says nothing
     assert (VERIFY, 0, 1) not in c.measured()
 
@@ -306,9 +313,11 @@ def test_residual_starts_at_the_first_gap_and_grows_with_the_batch():
     batch between or past the measured ones gets it in proportion to where it lies."""
     c = StepCosts(alpha=0.2)
     c.profile(VERIFY, [(b, q) for b in (1, 4, 16, 64) for q in (1, 9)], lambda b, q: 1.0 * MS)
-    c.observe(VERIFY, 4, 9, 1.4 * MS)
+    for _ in range(MIN_SAMPLES):
+        c.observe(VERIFY, 4, 9, 1.4 * MS)
     assert c.residual(VERIFY, 4) == pytest.approx(0.4 * MS)
-    c.observe(VERIFY, 16, 9, 2.0 * MS)
+    for _ in range(MIN_SAMPLES):
+        c.observe(VERIFY, 16, 9, 2.0 * MS)
     assert c.residual(VERIFY, 10) == pytest.approx(0.7 * MS)  # between: linear
     assert c.residual(VERIFY, 64) == pytest.approx(3.4 * MS)  # past: along the last segment
     assert c.estimate(VERIFY, 64, 1) == pytest.approx(4.4 * MS)
@@ -322,9 +331,11 @@ def test_plain_step_cost_borrows_the_profile_shape_not_the_batch_ratio():
     c.profile(VERIFY, [(b, 1) for b in device], lambda b, q: device[b] * MS)
     assert c.knows(DECODE) and not c.measures(DECODE)
     assert c.estimate(DECODE, 64, 1) == pytest.approx(1.7 * MS)
-    c.observe(DECODE, 16, 1, 1.3 * MS)
+    for _ in range(MIN_SAMPLES):
+        c.observe(DECODE, 16, 1, 1.3 * MS)
     assert c.estimate(DECODE, 64, 1) == pytest.approx((1.3 + 1.7 - 0.9) * MS)  # not 4 x 1.3
-    c.observe(DECODE, 1, 1, 0.75 * MS)
+    for _ in range(MIN_SAMPLES):
+        c.observe(DECODE, 1, 1, 0.75 * MS)
     assert c.estimate(DECODE, 4, 1) == pytest.approx((0.75 + (1.3 - 0.75) * 3 / 15) * MS)
 
 
@@ -512,7 +523,8 @@ def test_a_request_given_no_draft_drafts_again_now_and_then():
     ids = _mixed_batch(acceptance, 4, 2)
     policy = _ngram_policy(_eager_costs(6), shapes=VerifyShapes(), probe_every=4)
     policy.acceptance = acceptance
-    policy.costs.observe(VERIFY, 6, 1, policy.step_seconds(OFF, 6))  # a plain step measured: no off probe
+    for _ in range(MIN_SAMPLES):  # a plain step measured: no off probe
+        policy.costs.observe(VERIFY, 6, 1, policy.step_seconds(OFF, 6))
     poor = [policy.decide(ids).steps["poor0"] for _ in range(8)]
     assert poor == [0, 0, 0, 8, 0, 0, 0, 8]
 

@@ -29,7 +29,7 @@ from specserve.model.tokenizer import load_tokenizer
 from specserve.spec.acceptance import expected_tokens
 from specserve.spec.adaptive import OFF, Decision, Tier
 from specserve.spec.drafter import Drafter
-from specserve.spec.step_costs import DRAFT, VERIFY
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY
 
 from engine_utils import assert_follows, last_logits, motif_prompts
 
@@ -221,6 +221,39 @@ def _adaptive_llm(target, method: str, draft_model=None, **kwargs) -> LLM:
         spec["draft_model"] = str(draft_model)
     kwargs.setdefault("max_total_tokens", 4096)
     return LLM(target, device="cpu", dtype="float32", speculative=spec, **kwargs)
+
+
+def test_only_steady_steps_reach_the_cost_tables(target):
+    """The real engine's phases, a scripted schedule: after the prompts' prefill, stretches of plain
+    steps and of a 2-chain over the same batch. Each stretch's first step is a transition (a plain
+    step's wall is the wait for the step before; a chain step after plain ones settles the one in
+    flight), so the tables get one measurement fewer than the stretch's steps (no wall-clock figure
+    is asserted)."""
+    llm = _adaptive_llm(target, "ngram")
+    engine, adaptive = llm.engine, llm.engine.adaptive
+    chain = Tier.chain(2)
+    schedule = [OFF] * 5 + [chain] * 5 + [OFF] * 4
+
+    def decide(request_ids, remaining=None):
+        tier = schedule.pop(0) if schedule else OFF
+        return Decision(tier, dict.fromkeys(request_ids, tier.num_steps), 1.0, False)
+
+    adaptive.policy.decide = decide
+    for i, prompt in enumerate(motif_prompts(3, VOCAB, seed=4)):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True), f"r{i}")
+    engine.step()  # the prefill (the standing tier, the deepest, runs it synchronously)
+    for _ in range(14):
+        engine.step()
+    assert engine._overlap_off  # n-gram: plain steps overlapped
+    assert adaptive.costs.samples(DECODE, 3, 1) == 4 + 3  # each plain stretch less its first step
+    assert adaptive.costs.samples(VERIFY, 3, chain.query_len) == 4
+    assert adaptive.costs.samples(DRAFT, 3, 1) == 4
+    d = adaptive.diagnostics(3)
+    assert d["steady_steps"] == {"off": 7, "2": 4} and d["transition_steps"] == {"off": 2, "2": 1}
+    for _ in range(300):
+        if not engine.has_unfinished():
+            break
+        engine.step()
 
 
 @pytest.mark.parametrize(("method", "page_size"), [("ngram", 1), ("standalone", 4), ("eagle", 1), ("mtp", 4)])

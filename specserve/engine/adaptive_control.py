@@ -19,14 +19,29 @@ step still in flight (drafting needs its tokens), a wait for the device that bel
 Charged to the draft phase (as it was), it made every probe's draft look a whole decode step dear,
 so probes and switches never paid. A plain step the engine overlapped is a `DECODE` step (its host
 work hidden), timed as a whole. A probe's emitted tokens (accepted drafts plus one per verified
-request; with none waiting, each request's, for the drain) give the policy its verdict. The predicted and the measured goodput go to the step's stats
-for the metrics; `diagnostics` to benchmark reports.
+request; with none waiting, each request's, for the drain) give the policy its verdict. The
+predicted and the measured goodput go to the step's stats for the metrics; `diagnostics` (the
+policy's prices beside the steady and the transition steps' measured ms) to benchmark reports.
+
+Only steady steps set prices: a step that ran the tier of the step before, over the same batch, both
+decodes and verifies only, with nothing settled first. An overlapped plain step launches its own
+pass and then waits for the one before, so its wall is the step before's device time: after a
+prefill (the first plain step of every bench run) the prefill's, after a synchronous step almost
+nothing (the launch alone). Issue 9's H100 run filed such a step as a batch-16 plain step's cost
+(4.11 ms, against 1.19 ms steady); the policy, believing it, speculated where plain decoding was
+best (0.62x) and, no longer running plain steps there, never measured better. A speculative step
+after plain steps (a probe, a switch) pays for leaving the overlapped pipeline: its settle is
+left out, and whatever else such a step pays (the run measured probes of the 8-chain at batch 1 at
+1.5x its static steps' 1.34 ms, and the policy stayed off where the 8-chain made 1.5x plain) is
+not the tier's cost either. Those steps still fill in a shape nothing else prices
+(`StepCosts.observe`'s `steady`), and still judge their probe.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.request import Request
@@ -35,7 +50,18 @@ from specserve.engine.stats import SpecSettings, StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
 from specserve.spec.draft_depths import VerifyShapes
-from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, robust_mean
+
+DIAGNOSTIC_STEPS = 256  # steps per (tier, batch) whose costs `diagnostics` summarises
+
+
+@dataclass(frozen=True)
+class _StepShape:
+    """What a step was, as far as the next step's time may hold some of it."""
+
+    tier: Tier
+    batch: int
+    clean: bool  # decodes and verifies only: no prefill chunk rode along
 
 
 def settings_of(tier: Tier) -> SpecSettings:
@@ -74,6 +100,10 @@ class AdaptiveSpeculation:
         self._decoding = 0  # requests decoding this step (its items, unless a prefill rides along)
         # (tier name, batch) -> [steps, seconds]: measured wall time of whole steps, for diagnostics
         self._walls: dict[tuple[str, int], list[float]] = {}
+        # (tier name, batch) -> the last steps' cost beyond a settle: steady ones, and transitions
+        self._steady_ms: dict[tuple[str, int], deque[float]] = {}
+        self._transition_ms: dict[tuple[str, int], deque[float]] = {}
+        self._previous: _StepShape | None = None  # the step before: what this step's time may hold of it
 
     @property
     def overlapped_off(self) -> bool:
@@ -130,30 +160,49 @@ class AdaptiveSpeculation:
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
         seconds = phases.get("step")
+        batch = len(items)
+        clean = batch == self._decoding and all(item.num_known == 1 and item.completes for item in items)
+        previous, self._previous = self._previous, _StepShape(self.tier, batch, clean)
         if not seconds:
             return
         self.policy.observe_step(stats.generation_tokens, seconds)
+        settle = phases.get("settle", 0.0)
         if self._probe:
             emitted, self._emitted_by = self._emitted_by, {}
-            self.policy.observe_probe(self._emitted, seconds - phases.get("settle", 0.0), emitted)
-        if len(items) == self._decoding:
-            wall = self._walls.setdefault((self.tier.name, len(items)), [0, 0.0])
-            wall[0] += 1
-            wall[1] += seconds
+            self.policy.observe_probe(self._emitted, seconds - settle, emitted)
+        # Steady: the step before ran this tier over this batch, decodes only. An overlapped plain
+        # step's wall is the wait for the step before it (a prefill's, or none after a synchronous
+        # step); a speculative one after plain steps settled them first (see the module docstring).
+        steady = clean and not settle and previous == self._previous
+        if clean:
+            self._record(batch, seconds, seconds - settle, steady)
         if self.tier.off:
-            if len(items) != self._decoding:  # a prefill chunk rode along: not a decode step's cost
-                return
-            kind = DECODE if self.overlapped_off else VERIFY
-            self.costs.observe(kind, len(items), 1, seconds - phases.get("draft", 0.0))
+            if steady:  # overlapped: the wall is the period, host work and all; else the pass alone
+                overlapped = self.overlapped_off
+                cost = seconds if overlapped else seconds - phases.get("draft", 0.0)
+                self.costs.observe(DECODE if overlapped else VERIFY, batch, 1, cost)
             return
         drafting = phases.get("draft", 0.0)
-        if all(item.num_known == 1 and item.completes for item in items):
+        if clean:
             width = max(self.tier.query_len, max(item.num_tokens for item in items))
-            verify = seconds - drafting - phases.get("settle", 0.0)
-            self.costs.observe(VERIFY, len(items), width, verify * self._eager_scale(items, width))
+            verify = seconds - drafting - settle
+            self.costs.observe(VERIFY, batch, width, verify * self._eager_scale(items, width), steady)
         if self._budgets and drafting > 0:
             per = self.tier.num_steps if self.policy.draft_per_step else 1
-            self.costs.observe(DRAFT, len(self._budgets), self.tier.topk, drafting / per)
+            self.costs.observe(DRAFT, len(self._budgets), self.tier.topk, drafting / per, steady)
+
+    def idle(self) -> None:
+        """A step that scheduled nothing (it may have settled an overlapped one): the next step
+        follows no step of its own shape."""
+        self._previous = None
+
+    def _record(self, batch: int, wall: float, cost: float, steady: bool) -> None:
+        """For `diagnostics`: the whole step's wall, and what it cost beyond a settle, steady or not."""
+        wall_sum = self._walls.setdefault((self.tier.name, batch), [0, 0.0])
+        wall_sum[0] += 1
+        wall_sum[1] += wall
+        kept = self._steady_ms if steady else self._transition_ms
+        kept.setdefault((self.tier.name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(cost)
 
     def _eager_scale(self, items: Sequence[ScheduledItem], width: int) -> float:
         """1 for a pass padded to its bucket; for an eager one, what `width` tokens a request cost
@@ -179,15 +228,37 @@ class AdaptiveSpeculation:
     def diagnostics(self, batch: int | None = None) -> dict:
         """For benchmark reports: the policy's cost table and pooled acceptance at `batch` (default:
         the last decision's), beside the mean wall ms of the steps each tier ran at that batch
-        (`measured_step_ms`: what the predictions must match), the probe record, and the predicted
-        beside the measured goodput (tokens/s)."""
+        (`measured_step_ms`, settles included), the mean ms of its steady steps (`steady_step_ms`:
+        what the predictions must match) and of its transitions (`transition_step_ms`: probes and
+        first steps, settles left out), outliers left out as the cost tables leave them
+        (`step_costs.robust_mean`), with their counts (`steady_steps`, `transition_steps`, of
+        the last `DIAGNOSTIC_STEPS`), the probe record, and the predicted beside the measured
+        goodput (tokens/s)."""
         d = self.policy.diagnostics(batch)
+        at = d["batch"]
         measured = {
-            name: round(total / steps * 1e3, 4) for (name, b), (steps, total) in self._walls.items() if b == d["batch"]
+            name: round(total / steps * 1e3, 4)
+            for (name, b), (steps, total) in self._walls.items()
+            if b == at
         }
+
+        def means(kept: dict[tuple[str, int], deque[float]]) -> dict[str, float]:
+            return {
+                t.name: round(robust_mean((ms, ms) for ms in kept[(t.name, at)]) * 1e3, 4)
+                for t in self.tiers
+                if kept.get((t.name, at))
+            }
+
+        def counts(kept: dict[tuple[str, int], deque[float]]) -> dict[str, int]:
+            return {t.name: len(kept[(t.name, at)]) for t in self.tiers if kept.get((t.name, at))}
+
         return {
             **d,
             "measured_step_ms": {t.name: measured[t.name] for t in self.tiers if t.name in measured},
+            "steady_step_ms": means(self._steady_ms),
+            "transition_step_ms": means(self._transition_ms),
+            "steady_steps": counts(self._steady_ms),
+            "transition_steps": counts(self._transition_ms),
             "predicted_goodput": round(self.predicted_goodput, 1),
             "measured_goodput": round(self.policy.measured_goodput, 1),
         }

@@ -226,6 +226,8 @@ class Engine:
             stats.phases.clear()  # nothing ran: no step to time
         if self.adaptive is not None and items:
             self.adaptive.observe_step(items, stats)
+        elif self.adaptive is not None:
+            self.adaptive.idle()
         self._end_step(outputs)
         return outputs
 

@@ -162,7 +162,9 @@ class AdaptiveSettings(BaseModel):
         _adaptive_default("cost_alpha"),
         ge=0,
         le=1,
-        description="Weight of each measured step in its shape's cost (0: keep the start-up profile).",
+        description="How fast measured steps replace each other in a shape's cost, as an average's weight: "
+        "a shape costs the mean of its last 2 / cost_alpha - 1 steady steps, outliers left out "
+        "(0: keep the start-up profile).",
     )
     profile: bool = Field(
         _adaptive_default("profile"),

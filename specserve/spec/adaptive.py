@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
-from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, VERIFY, StepCosts
 
 
 @dataclass(frozen=True, order=True)
@@ -102,6 +102,9 @@ class Tier:
 
 
 OFF = Tier(0, 1, 0)
+# Plain steps in a row while speculating (`_probe_off`): the first is a transition, the rest steady,
+# enough of them for a price (`step_costs.MIN_SAMPLES`).
+OFF_PROBE_STEPS = MIN_SAMPLES + 1
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class AdaptivePolicy:
         self.probe_interval = probe_every  # steps off between probes: grows while probes lose
         self.probes = self.probes_won = 0
         self._since_probe = 0
+        self._off_left = 0  # plain steps still to run in a row of `_probe_off`'s
         self._probing: tuple[Tier, float] | None = None  # the probe in flight, tokens it must beat
         self._probe_left: dict[str, int] | None = None  # its requests' tokens left (drain), or None
         self._challenger: Tier | None = None
@@ -410,19 +414,25 @@ class AdaptivePolicy:
         return tier
 
     def _probe_off(self, batch: int) -> Tier | None:
-        """While speculating: one plain step every `probe_every` steps until a plain step at this
-        batch has been measured. Until then its price is derived (the start-up profile of a
-        one-token pass, which on the H100 once came out 2.5x slow), and a tier the policy believes
-        dear it never runs, so the price would stand for good. No verdict: a measurement."""
+        """While speculating: plain steps every `probe_every` steps until a plain step at this batch
+        has been measured. Until then its price is derived (the start-up profile of a one-token
+        pass, which on the H100 once came out 2.5x slow), and a tier the policy believes dear it never
+        runs, so the price would stand for good. `OFF_PROBE_STEPS` in a row: an overlapped plain
+        step's wall is the wait for the step before, so only from the second of a row on is one
+        steady, a plain step's measured cost (`specserve/engine/adaptive_control.py`), and a price
+        takes a few. No verdict: a measurement."""
         off = next((t for t in self.tiers if t.off), None)
         kind = DECODE if self.overlapped_off else VERIFY
         if off is None or not batch or self.costs.measured_live(kind, batch, 1):
-            self._since_probe = 0
+            self._since_probe = self._off_left = 0
             return None
+        if self._off_left:
+            self._off_left -= 1
+            return off
         self._since_probe += 1
         if self._since_probe < self.probe_every:
             return None
-        self._since_probe = 0
+        self._since_probe, self._off_left = 0, OFF_PROBE_STEPS - 1
         self._probing = self._probe_left = None
         return off
 
@@ -438,7 +448,7 @@ class AdaptivePolicy:
         if self._streak < self.patience:
             return False
         self.current, self._challenger, self._streak = best, None, 0
-        self._since_probe = 0  # each regime counts its own steps to its first probe
+        self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
         self.switches += 1
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True

@@ -6,17 +6,18 @@ one draft step over `batch` requests at `topk` branches (a model drafter's forwa
 host time), and a plain decode step as the engine runs it with speculation off, overlapped with the
 host work of the step before (`DECODE`, measured only: its host work hides behind the device's, so
 it costs less than a synchronous pass of one token). Each is a table of seconds keyed by (batch,
-width), filled by start-up profiling of the CUDA-graph buckets and kept current by an exponential
-moving average of what steps measured. Shapes never measured are interpolated linearly in batch
-between the nearest measured ones of the same width (past the largest, scaled in proportion; below
-the smallest, its cost: small batches are bound by launches, not by size), so one profile of the
-buckets covers every batch in between.
+width), filled by start-up profiling of the CUDA-graph buckets and kept current by what steady
+live steps measured (a robust mean of the last few, below). Shapes never measured are interpolated
+linearly in batch between the nearest measured ones of the same width (past the largest, scaled in
+proportion; below the smallest, its cost: small batches are bound by launches, not by size), so one
+profile of the buckets covers every batch in between.
 
 A profile times the device pass alone (input building, launch, sync); a live step adds its host
 work (verify, compaction, postprocess), which grows with the batch but hardly with the draft length.
 So each live measurement of a profiled shape also updates that kind's residual at its batch
-(measured minus profiled, an average that starts at the first gap, not at 0: issue 9's H100 run
-had the policy price a 64-request verify at a fifth of its host work for its first steps), and a
+(measured minus profiled, a robust mean of its last gaps, so whole from the first ones, not grown
+from 0: issue 9's H100 run had the policy price a 64-request verify at a fifth of its host work for
+its first steps), and a
 profiled shape not yet measured live is estimated as its profile plus the residual, interpolated
 in batch between the batches that measured one (past them: along the slope of all of them, not
 the last segment's, which joins two neighbours of a bench row's tail; host work grows with the
@@ -31,18 +32,43 @@ tier looked cheap beside it (issue 9, batch 64: adaptive at 0.49x plain). Before
 was measured, it costs the borrowed kind's profile alone: an overlapped plain step hides its host
 work behind the device pass, so a synchronous one-token pass with the verify's host work on top
 priced it at up to 1.7x its cost (the policy at batch 1 and 4 had never run a plain step).
+
+What a live shape costs is the mean of its last `window` steady measurements less those over
+`OUTLIER` times their median (and a residual likewise of its last gaps), not a moving average: one
+step that paid for something else (a prefill settled inside the first plain step of a run, a
+first-time cost, a host hiccup) drops out, where it lifted an average with alpha 0.2 by a fifth of
+its excess and took ten steps to fade (issue 9's H100 run, MT-Bench batch 16: a plain step priced
+4.11 ms against 1.19 real, never corrected because the policy, believing it, stopped running plain
+steps there). Not their median: a chain tier's steps differ by what its lookups found (a step
+whose drafts came out short runs a narrower CUDA-graph bucket), and its cost is their mean; the
+median priced it at its dearer steps. `window` is the EMA's span, 2 / alpha - 1 (alpha 0.2: 9). Which steps are steady is the engine's call
+(`specserve/engine/adaptive_control.py`); a measurement marked not steady (a transition: the first
+step of a tier, a probe) never sets a price where there is a profile or a steady one: it fills in
+only a shape nothing else prices. Pricing a tier from its probes is how the H100 run priced the
+8-chain at batch 1 at 1.5x what its steady steps cost, and never ran it to learn better.
 """
 
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterable
 
 VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
+# Steady measurements a shape's live price (and a batch's residual) waits for: with three, one
+# outlier is told by their median. One is not enough: the bench's warm-up verifies at batch 2 a few
+# steps only, and a one-off cost in one of them, taken as that batch's residual, priced every tier
+# at batch 1 at 4-6x (the batch next to it), so no tier ran there to correct it
+# (`scripts/adaptive_sim.py`).
+MIN_SAMPLES = 3
+OUTLIER = 2.0  # a measurement over this many times its window's median is not the shape's cost
 
 
 class StepCosts:
-    """`alpha`: weight of a new measurement in its shape's average (0: keep the profile).
+    """`alpha`: how fast measurements replace each other, as an EMA's weight (0: keep the profile):
+    a live shape costs the robust mean of its last 2 / alpha - 1 steady measurements, once it has
+    `MIN_SAMPLES` of them (before, its profile and the residual, or what it is derived from).
     `default`: seconds a kind's unmeasured shape is assumed to cost per token (batch * width) when no
     shape of its width was measured at all; an engine replaces it within the first steps."""
 
@@ -50,25 +76,54 @@ class StepCosts:
         self, alpha: float = 0.2, default: float = 1e-3, shape_of: dict[str, str] | None = None
     ) -> None:
         self.alpha, self.default = alpha, default
+        self.window = max(1, round(2.0 / alpha - 1.0)) if alpha > 0 else 0
+        self.min_samples = min(MIN_SAMPLES, self.window)
         self.shape_of = {DECODE: VERIFY} if shape_of is None else shape_of
         self._table: dict[tuple[str, int], dict[int, float]] = {}
         self._profiled: dict[tuple[str, int], dict[int, float]] = {}
-        self._live: set[tuple[str, int, int]] = set()  # (kind, width, batch) measured while serving
-        self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> live minus profiled
+        self._live: set[tuple[str, int, int]] = set()  # (kind, width, batch) measured steady while serving
+        # (seconds, value) of the last steady measurements, newest last: the value is the seconds, or
+        # for a residual the seconds beyond the profile (an outlier is told by its seconds)
+        self._samples: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
+        self._loose: dict[
+            tuple[str, int, int], deque[tuple[float, float]]
+        ] = {}  # transitions' (unpriced shapes)
+        self._gaps: dict[
+            tuple[str, int], deque[tuple[float, float]]
+        ] = {}  # (kind, batch) -> live minus profiled
+        self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> robust mean of its gaps
 
-    def observe(self, kind: str, batch: int, width: int, seconds: float) -> None:
+    def observe(self, kind: str, batch: int, width: int, seconds: float, steady: bool = True) -> None:
+        """A live step of this shape took `seconds`. `steady`: a step like its neighbours (no
+        transition's extra cost in it); one that is not only fills in a shape nothing else prices."""
         if batch < 1 or width < 1 or not seconds > 0 or self.alpha == 0:
             return  # an empty or untimed step says nothing about cost; alpha 0 keeps the profile
+        key = (kind, width, batch)
         row = self._table.setdefault((kind, width), {})
-        old = row.get(batch)
-        row[batch] = seconds if old is None else old + self.alpha * (seconds - old)
-        self._live.add((kind, width, batch))
+        if not steady:
+            if self._profiled.get((kind, width)) or key in self._live:
+                return  # priced by its profile (plus steady steps' residual) or its steady steps
+            loose = self._loose.setdefault(key, deque(maxlen=self.window))
+            loose.append((seconds, seconds))
+            row[batch] = robust_mean(loose)
+            return
+        samples = self._samples.setdefault(key, deque(maxlen=self.window))
+        samples.append((seconds, seconds))
+        if len(samples) >= self.min_samples:
+            self._loose.pop(key, None)
+            row[batch] = robust_mean(samples)
+            self._live.add(key)
         profiled = self._profiled.get((kind, width))
         if profiled:
-            residuals = self._residual.setdefault(kind, {})
-            gap = seconds - _interpolate(profiled, batch)
-            old_gap = residuals.get(batch)
-            residuals[batch] = gap if old_gap is None else old_gap + self.alpha * (gap - old_gap)
+            gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
+            gaps.append((seconds, seconds - _interpolate(profiled, batch)))
+            if len(gaps) >= self.min_samples:
+                self._residual.setdefault(kind, {})[batch] = robust_mean(gaps)
+
+    def samples(self, kind: str, batch: int, width: int) -> int:
+        """How many steady measurements of this shape are kept (at most `window`; its price counts
+        from `min_samples` on)."""
+        return len(self._samples.get((kind, width, batch), ()))
 
     def profile(self, kind: str, shapes: Iterable[tuple[int, int]], run: Callable[[int, int], float]) -> None:
         """Measure each (batch, width) with `run` (seconds) and take it as is."""
@@ -78,9 +133,12 @@ class StepCosts:
                 self._table.setdefault((kind, width), {})[batch] = seconds
                 self._profiled.setdefault((kind, width), {})[batch] = seconds
                 self._live.discard((kind, width, batch))
+                self._samples.pop((kind, width, batch), None)
+                self._loose.pop((kind, width, batch), None)
 
     def measured_live(self, kind: str, batch: int, width: int) -> bool:
-        """Whether this very shape has been measured while serving (not only profiled or derived)."""
+        """Whether this very shape has a steady measurement from serving (not only profiled, derived or
+        seen in transitions)."""
         return (kind, width, batch) in self._live
 
     def measures(self, kind: str) -> bool:
@@ -137,6 +195,18 @@ class StepCosts:
     def measured(self) -> dict[tuple[str, int, int], float]:
         """Every measured shape: (kind, batch, width) -> seconds."""
         return {(k, b, w): s for (k, w), row in self._table.items() for b, s in row.items()}
+
+
+def robust_mean(samples: Iterable[tuple[float, float]]) -> float:
+    """The mean value of the (seconds, value) samples whose seconds are within `OUTLIER` times their
+    median: a step that paid for something else (a prefill, a one-off cost: several times a step)
+    drops out, while the spread of a tier's own steps stays in (a chain step whose lookups found
+    short drafts runs a narrower bucket, ~0.7x a full one: their median alone priced the tier at
+    its dearer steps, their mean is what it costs)."""
+    samples = list(samples)
+    cut = OUTLIER * statistics.median(seconds for seconds, _ in samples)
+    kept = [value for seconds, value in samples if seconds <= cut]
+    return sum(kept) / len(kept)
 
 
 def _slope(row: dict[int, float], sizes: list[int]) -> float:
