@@ -158,15 +158,46 @@ def load_samples(path: str | Path) -> Samples:
 # ---- prompts -------------------------------------------------------------------------------------
 
 
-def prompt_texts(data: str, *, seed: int = 0, max_chars: int = 2000) -> list[str]:
-    """User prompts: a named data set (`sharegpt`, `mt-bench`: first user turns, in benchmark order)
-    or a prompts file (JSON lines, optionally gzipped: a string, or an object with `prompt`/`text`)."""
+TURN_DATASETS = ("sharegpt-turns",)  # data sets of conversations, built with the target's tokenizer
+
+
+def prompt_texts(
+    data: str,
+    *,
+    seed: int = 0,
+    max_chars: int = 2000,
+    tokenizer=None,
+    max_prompt_tokens: int = 1024,
+) -> list:
+    """Prompts (`turns.Prompt`: a user turn's text, or a conversation's messages): a named data set
+    (`sharegpt`, `mt-bench`: first user turns, in benchmark order; `sharegpt-turns`: every ShareGPT
+    human turn with its context fitted to `max_prompt_tokens` of `tokenizer`'s chat template,
+    `specserve/train/turns.py`) or a prompts file (JSON lines, optionally gzipped: a string, an object
+    with `prompt`/`text`, or one with `messages`)."""
+    from specserve.bench_data import DATASETS
     from specserve.bench_data import prompt_texts as dataset_texts
 
-    try:
+    if data in TURN_DATASETS:
+        from specserve.assets import dataset_path
+        from specserve.train.turns import sharegpt_turns
+
+        if tokenizer is None:
+            raise ValueError(f"data: {data} needs the target's tokenizer")
+        turns = sharegpt_turns(
+            dataset_path("sharegpt"),
+            tokenizer,
+            seed=seed,
+            max_chars=max_chars,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+        return [t.as_messages() for t in turns]
+    if data in DATASETS:
         return dataset_texts(data, seed=seed, max_chars=max_chars)
-    except ValueError as err:
-        raise ValueError(f"data: {str(err).removeprefix('dataset: ')}") from None
+    if not Path(data).is_file():
+        raise ValueError(f"data: {data!r} is neither one of {[*DATASETS, *TURN_DATASETS]} nor a prompts file")
+    from specserve.train.turns import read_prompts_file
+
+    return read_prompts_file(Path(data), max_chars=max_chars)
 
 
 # ---- generation ----------------------------------------------------------------------------------
