@@ -11,7 +11,7 @@ import pytest
 
 from specserve.bench_data import prompts_file_texts, select_texts, write_prompts
 from specserve.cli import main
-from specserve.model.tokenizer import chat_prompt_ids, load_tokenizer
+from specserve.model.tokenizer import chat_prompt_ids, chat_prompts_ids, load_tokenizer
 from specserve.train.data import load_samples, prompt_texts
 from specserve.train.turns import (
     candidate_windows,
@@ -67,7 +67,10 @@ def test_every_human_turn_is_a_prompt_with_the_conversation_before_it(tok):
         ),
     ]
     assert [p.answer for p in prompts] == ["A1.", "A2.", None]
-    text = tok.decode(chat_prompt_ids(tok, prompts[1].as_messages()))
+    conversations = [p.as_messages() for p in prompts]
+    ids = chat_prompts_ids(tok, conversations)  # in one batch: what the data phase uses
+    assert ids == [chat_prompt_ids(tok, m) for m in conversations]
+    text = tok.decode(ids[1])
     assert text.endswith(
         "<|im_start|>user\nWhat is 1?<|im_end|>\n<|im_start|>assistant\nA1.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2?<|im_end|>\n<|im_start|>assistant\n"
@@ -193,11 +196,12 @@ def test_a_prompts_file_carries_conversations_in_order(tok, tmp_path, monkeypatc
         prompt_texts("no-such-set")
 
 
-def test_train_draft_generates_and_resumes_over_turn_prompts(tiny_llama, tmp_path, monkeypatch):
+def test_train_draft_generates_and_resumes_over_turn_prompts(tiny_llama, tmp_path, monkeypatch, capsys):
     """The prompts phase writes `sharegpt-turns`; the data phase answers it in two sittings (the
     second resumes: answered indices are kept, not answered again); each sample is its prompt's
     chat-template ids then the answer, prompt index i being the i-th prompt of the file, which is the
-    i-th of `--data sharegpt-turns` itself. The answers phase pairs the prompts with ShareGPT's text."""
+    i-th of `--data sharegpt-turns` itself; a responses file of another prompt list is refused. The
+    answers phase pairs the prompts with ShareGPT's text."""
     import specserve.assets
 
     source = _sharegpt_file(tmp_path)
@@ -220,6 +224,16 @@ def test_train_draft_generates_and_resumes_over_turn_prompts(tiny_llama, tmp_pat
     for i, index in enumerate(samples.prompt_index.tolist()):
         ids = chat_prompt_ids(tok, prompts[index])
         assert samples.sample(i)[: len(ids)].tolist() == ids and samples.prompt_lens[i] == len(ids)
+    # The named data set is the file's list: its run resumes the file's answers; another seed is refused.
+    turns = [*common, "--phase", "data", "--data", "sharegpt-turns", "--max-new-tokens", "4"]
+    assert main([*turns, "--num-prompts", "10"]) == 0
+    resumed = load_samples(out / "responses.npz")
+    assert len(resumed) == 10 and all(
+        resumed.sample(i).tolist() == samples.sample(i).tolist() for i in range(9)
+    )
+    assert main([*turns, "--num-prompts", "12", "--seed", "1"]) == 2
+    assert "another prompt list" in capsys.readouterr().err
+    assert len(load_samples(out / "responses.npz")) == 10
     assert main([*common, "--phase", "answers", "--data", "sharegpt-turns", "--max-new-tokens", "8"]) == 0
     answers = load_samples(out / "answers.npz")
     assert len(answers) == 14 and answers.meta["data"] == "sharegpt-turns"

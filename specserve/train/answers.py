@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from specserve.train.data import Samples, append, empty_samples
 from specserve.train.turns import Prompt, prompt_messages
 
+_CHUNK = 4096  # pairs tokenized together
+
 
 def answer_samples(
     tokenizer,
@@ -31,21 +33,26 @@ def answer_samples(
     """(question, answer) pairs as samples: the question (a user turn's text, or a conversation's
     messages) through the chat template (assistant turn opened), then the answer's ids cut to
     `max_answer_tokens`, then the end-of-turn token if the answer was not cut (the target's own
-    answers end the same way). Questions longer than
-    `max_prompt_tokens` are skipped; `prompt_index` is the pair's index in `exchanges`."""
-    from specserve.model.tokenizer import chat_prompt_ids
+    answers end the same way). Questions longer than `max_prompt_tokens` are skipped; `prompt_index`
+    is the pair's index in `exchanges`. Tokenized in batches (a fast tokenizer uses every core)."""
+    from specserve.model.tokenizer import chat_prompts_ids
 
     end = tokenizer.eos_token_id
-    new: list[tuple[list[int], int, int]] = []
-    for i, (question, answer) in enumerate(exchanges):
-        prompt = chat_prompt_ids(tokenizer, prompt_messages(question))
-        if len(prompt) > max_prompt_tokens:
-            continue
-        ids = tokenizer.encode(answer, add_special_tokens=False)
-        if len(ids) < max_answer_tokens and end is not None:
-            ids.append(end)
-        new.append((prompt + ids[:max_answer_tokens], len(prompt), i))
-    return append(empty_samples(meta), new)
+    samples = empty_samples(meta)
+    for first in range(0, len(exchanges), _CHUNK):
+        new: list[tuple[list[int], int, int]] = []
+        chunk = exchanges[first : first + _CHUNK]
+        prompts = chat_prompts_ids(tokenizer, [prompt_messages(q) for q, _ in chunk])
+        answers = tokenizer([a for _, a in chunk], add_special_tokens=False)["input_ids"]
+        for i, (prompt, ids) in enumerate(zip(prompts, answers, strict=True), start=first):
+            if len(prompt) > max_prompt_tokens:
+                continue
+            ids = list(ids[:max_answer_tokens])
+            if len(ids) < max_answer_tokens and end is not None:
+                ids.append(end)
+            new.append((prompt + ids, len(prompt), i))
+        samples = append(samples, new)  # as arrays: Python lists of every chunk's ids would take GBs
+    return samples
 
 
 def dataset_exchanges(

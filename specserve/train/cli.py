@@ -224,10 +224,10 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def _chat_prompts(loaded, prompts: list) -> list[list[int]]:
-    from specserve.model.tokenizer import chat_prompt_ids
+    from specserve.model.tokenizer import chat_prompts_ids
     from specserve.train.turns import prompt_messages
 
-    return [chat_prompt_ids(loaded.tokenizer, prompt_messages(p)) for p in prompts]
+    return chat_prompts_ids(loaded.tokenizer, [prompt_messages(p) for p in prompts])
 
 
 def _answers_phase(args: argparse.Namespace, loaded, out: Path) -> None:

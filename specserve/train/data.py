@@ -12,6 +12,7 @@ killed resumes with the prompts it has not answered.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -228,12 +229,23 @@ def generate_responses(
     log=print,
 ) -> Samples:
     """Answer `prompts` (token ids, chat template applied) with `llm`'s engine, resuming from `path`
-    if it exists (answered prompts are skipped), until the prompts, `max_samples` or the `deadline`
-    (time.monotonic()) run out; answers unfinished at the deadline are dropped. Prompts longer than
-    `max_prompt_tokens` are skipped."""
+    if it exists (answered prompts are skipped; a file made for another prompt list is refused), until
+    the prompts, `max_samples` or the `deadline` (time.monotonic()) run out; answers unfinished at the
+    deadline are dropped. Prompts longer than `max_prompt_tokens` are skipped."""
     path = Path(path)
     engine = llm.engine
-    samples = load_samples(path) if path.is_file() else empty_samples(meta)
+    fingerprint = prompts_fingerprint(prompts)
+    if path.is_file():
+        samples = load_samples(path)
+        known = (samples.meta or {}).get("prompts_sha256")  # files written before it have none
+        if known is not None and known != fingerprint:
+            raise ValueError(
+                f"data: {path} answers another prompt list (its prompt indices would mean other prompts "
+                "here): the same --data, --seed, --max-prompt-chars, --max-prompt-tokens and --shard "
+                "resume it, or give another --responses"
+            )
+    else:
+        samples = empty_samples({**(meta or {}), "prompts_sha256": fingerprint})
     answered = set(samples.prompt_index.tolist())
     todo = (i for i, p in enumerate(prompts) if i not in answered and len(p) <= settings.max_prompt_tokens)
     budget = (max_samples - len(samples)) if max_samples is not None else len(prompts)
@@ -270,6 +282,15 @@ def generate_responses(
     while engine.has_unfinished():  # the aborted requests' last outputs
         engine.step()
     return _save(samples, new, path, began, log, pace)
+
+
+def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
+    """sha256 of a prompt list's token ids in order: a responses file records it, so that resuming
+    with another list (whose index i is another prompt) is refused instead of mixing them up."""
+    digest = hashlib.sha256()
+    for ids in prompts:
+        digest.update(np.int64(len(ids)).tobytes() + np.asarray(ids, np.int64).tobytes())
+    return digest.hexdigest()
 
 
 @dataclass

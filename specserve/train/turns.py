@@ -104,44 +104,65 @@ def candidate_windows(
 class PromptFitter:
     """Fits windows to `max_prompt_tokens` of the tokenizer's chat template: an additive estimate
     (each text's tokens plus its role's template tokens, measured once) picks the longest suffix,
-    then the chosen prompt is rendered for real and shortened further while it is too long, so the
-    rule holds exactly whatever the template does at message boundaries."""
+    then the chosen prompts are rendered for real (in one batch) and shortened further while too
+    long, so the rule holds exactly whatever the template does at message boundaries (for SmolLM2's
+    the estimate is exact: no prompt needs a second pass)."""
 
     def __init__(self, tokenizer, max_prompt_tokens: int) -> None:
-        from specserve.model.tokenizer import chat_prompt_ids
-
-        self._render = lambda messages: chat_prompt_ids(tokenizer, messages)
         self._tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         x = len(self._encode(["x"])[0])
-        one = len(self._render([_msg(USER, "x")]))
-        two = len(self._render([_msg(USER, "x"), _msg(ASSISTANT, "x")]))
-        three = len(self._render([_msg(USER, "x"), _msg(ASSISTANT, "x"), _msg(USER, "x")]))
+        one, two, three = (
+            len(ids)
+            for ids in self._render(
+                [
+                    [(USER, "x")],
+                    [(USER, "x"), (ASSISTANT, "x")],
+                    [(USER, "x"), (ASSISTANT, "x"), (USER, "x")],
+                ]
+            )
+        )
         self._overhead = {ASSISTANT: two - one - x, USER: three - two - x}
         self._fixed = one - x - self._overhead[USER]  # default system message, generation prompt
 
     def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         return self._tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
+    def _render(self, windows: Sequence[Sequence[tuple[str, str]]]) -> list[list[int]]:
+        from specserve.model.tokenizer import chat_prompts_ids
+
+        return chat_prompts_ids(self._tokenizer, [[_msg(r, t) for r, t in w] for w in windows])
+
     def fit(self, windows: Sequence[list[tuple[str, str]]]) -> list[tuple[tuple[str, str], ...] | None]:
         """Each window's longest suffix that starts at a user turn and fits, or None."""
         texts = sorted({text for window in windows for _, text in window})
         counts = dict(zip(texts, (len(ids) for ids in self._encode(texts)), strict=True)) if texts else {}
-        return [self._fit_one(window, counts) for window in windows]
+        starts = [self._estimated_start(window, counts) for window in windows]
+        fitted: list[tuple[tuple[str, str], ...] | None] = [None] * len(windows)
+        pending = [i for i, window in enumerate(windows) if starts[i] < len(window)]
+        while pending:
+            lengths = [len(ids) for ids in self._render([windows[i][starts[i] :] for i in pending])]
+            retry = []
+            for i, length in zip(pending, lengths, strict=True):
+                if length <= self.max_prompt_tokens:
+                    fitted[i] = tuple(windows[i][starts[i] :])
+                else:  # the estimate was short: one pair fewer, rendered again
+                    starts[i] += 2
+                    if starts[i] < len(windows[i]):
+                        retry.append(i)
+            pending = retry
+        return fitted
 
-    def _fit_one(self, window: list[tuple[str, str]], counts: dict[str, int]):
+    def _estimated_start(self, window: list[tuple[str, str]], counts: dict[str, int]) -> int:
+        """Where the window starts once its oldest pairs are dropped until the estimate fits
+        (len(window) when not even its last turn does)."""
         cost = self._fixed + sum(counts[text] + self._overhead[role] for role, text in window)
         start = 0
-        while start < len(window) and cost > self.max_prompt_tokens:  # drop the oldest pair
+        while start < len(window) and cost > self.max_prompt_tokens:
             for role, text in window[start : start + 2]:
                 cost -= counts[text] + self._overhead[role]
             start += 2
-        while start < len(window):
-            kept = tuple(window[start:])
-            if len(self._render([_msg(r, t) for r, t in kept])) <= self.max_prompt_tokens:
-                return kept
-            start += 2
-        return None
+        return start
 
 
 def _msg(role: str, text: str) -> Message:
@@ -156,13 +177,9 @@ def turn_prompts(
 ) -> list[TurnPrompt]:
     """Every usable human turn of `conversations` with its fitted context, in file order (not yet
     deduplicated or shuffled)."""
-    fitter = PromptFitter(tokenizer, max_prompt_tokens)
-    out: list[TurnPrompt] = []
-    for conversation in conversations:
-        candidates = list(candidate_windows(conversation, max_chars))
-        fitted = fitter.fit([window for window, _ in candidates])
-        out += [TurnPrompt(m, answer) for m, (_, answer) in zip(fitted, candidates, strict=True) if m]
-    return out
+    candidates = [c for conversation in conversations for c in candidate_windows(conversation, max_chars)]
+    fitted = PromptFitter(tokenizer, max_prompt_tokens).fit([window for window, _ in candidates])
+    return [TurnPrompt(m, answer) for m, (_, answer) in zip(fitted, candidates, strict=True) if m]
 
 
 def _file_turns(path: Path, tokenizer, *, max_chars: int, max_prompt_tokens: int) -> list[TurnPrompt]:
