@@ -40,6 +40,7 @@ USER, ASSISTANT = "user", "assistant"
 _ROLES = {"human": USER, "user": USER, "gpt": ASSISTANT, "chatgpt": ASSISTANT, "bing": ASSISTANT}
 _ROLES |= {"bard": ASSISTANT, "assistant": ASSISTANT}
 _MIN_CHARS = 4  # as the first-turn set: "hi" and "?" measure nothing
+_CHUNK = 4096  # texts tokenized together
 
 Message = dict[str, str]
 Prompt = str | list[Message]  # a user turn alone, or a conversation ending in a user turn
@@ -104,44 +105,47 @@ def candidate_windows(
 class PromptFitter:
     """Fits windows to `max_prompt_tokens` of the tokenizer's chat template: an additive estimate
     (each text's tokens plus its role's template tokens, measured once) picks the longest suffix,
-    then the chosen prompts are rendered for real (in one batch) and shortened further while too
-    long, so the rule holds exactly whatever the template does at message boundaries (for SmolLM2's
-    the estimate is exact: no prompt needs a second pass)."""
+    then the chosen prompts are rendered for real (in batches) and shortened further while too long,
+    so no prompt exceeds the bound whatever the template does at message boundaries. (An estimate
+    too high would drop a pair that fits; for ChatML templates such as SmolLM2's it is exact.)"""
 
     def __init__(self, tokenizer, max_prompt_tokens: int) -> None:
         self._tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
-        x = len(self._encode(["x"])[0])
-        one, two, three = (
-            len(ids)
-            for ids in self._render(
-                [
-                    [(USER, "x")],
-                    [(USER, "x"), (ASSISTANT, "x")],
-                    [(USER, "x"), (ASSISTANT, "x"), (USER, "x")],
-                ]
-            )
+        (x,) = self._text_lengths(["x"])
+        one, two, three = self._prompt_lengths(
+            [[(USER, "x")], [(USER, "x"), (ASSISTANT, "x")], [(USER, "x"), (ASSISTANT, "x"), (USER, "x")]]
         )
         self._overhead = {ASSISTANT: two - one - x, USER: three - two - x}
         self._fixed = one - x - self._overhead[USER]  # default system message, generation prompt
 
-    def _encode(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    # Token counts only, a chunk at a time: the whole file's id lists would take gigabytes.
+    def _text_lengths(self, texts: Sequence[str]) -> list[int]:
+        lengths: list[int] = []
+        for first in range(0, len(texts), _CHUNK):
+            encoded = self._tokenizer(list(texts[first : first + _CHUNK]), add_special_tokens=False)
+            lengths += [len(ids) for ids in encoded["input_ids"]]
+        return lengths
 
-    def _render(self, windows: Sequence[Sequence[tuple[str, str]]]) -> list[list[int]]:
+    def _prompt_lengths(self, windows: Sequence[Sequence[tuple[str, str]]]) -> list[int]:
         from specserve.model.tokenizer import chat_prompts_ids
 
-        return chat_prompts_ids(self._tokenizer, [[_msg(r, t) for r, t in w] for w in windows])
+        chunks = (windows[first : first + _CHUNK] for first in range(0, len(windows), _CHUNK))
+        return [
+            len(ids)
+            for chunk in chunks
+            for ids in chat_prompts_ids(self._tokenizer, [[_msg(r, t) for r, t in w] for w in chunk])
+        ]
 
     def fit(self, windows: Sequence[list[tuple[str, str]]]) -> list[tuple[tuple[str, str], ...] | None]:
         """Each window's longest suffix that starts at a user turn and fits, or None."""
         texts = sorted({text for window in windows for _, text in window})
-        counts = dict(zip(texts, (len(ids) for ids in self._encode(texts)), strict=True)) if texts else {}
+        counts = dict(zip(texts, self._text_lengths(texts), strict=True))
         starts = [self._estimated_start(window, counts) for window in windows]
         fitted: list[tuple[tuple[str, str], ...] | None] = [None] * len(windows)
         pending = [i for i, window in enumerate(windows) if starts[i] < len(window)]
         while pending:
-            lengths = [len(ids) for ids in self._render([windows[i][starts[i] :] for i in pending])]
+            lengths = self._prompt_lengths([windows[i][starts[i] :] for i in pending])
             retry = []
             for i, length in zip(pending, lengths, strict=True):
                 if length <= self.max_prompt_tokens:
