@@ -248,7 +248,9 @@ def generate_responses(
         samples = empty_samples({**(meta or {}), "prompts_sha256": fingerprint})
     answered = set(samples.prompt_index.tolist())
     todo = (i for i, p in enumerate(prompts) if i not in answered and len(p) <= settings.max_prompt_tokens)
-    budget = (max_samples - len(samples)) if max_samples is not None else len(prompts)
+    # Answers this run may add; `new` empties at each save, so the count is held against `kept`.
+    kept = len(samples)
+    budget = (max_samples - kept) if max_samples is not None else len(prompts)
     in_flight: dict[str, int] = {}
     new: list[tuple[list[int], int, int]] = []
     began = saved = time.monotonic()
@@ -256,8 +258,9 @@ def generate_responses(
     wave = settings.wave or max(1, settings.batch // 4)
     while True:
         late = deadline is not None and time.monotonic() >= deadline
-        top_up = settings.batch - len(in_flight) >= min(wave, budget - len(in_flight) - len(new))
-        while top_up and not late and len(in_flight) < settings.batch and len(in_flight) + len(new) < budget:
+        done = len(samples) - kept + len(new)
+        top_up = settings.batch - len(in_flight) >= min(wave, budget - len(in_flight) - done)
+        while top_up and not late and len(in_flight) < settings.batch and len(in_flight) + done < budget:
             i = next(todo, None)
             if i is None:
                 break
