@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, in one call of at most 10 minutes: the target (SmolLM2-135M-Instruct) answers
-# ShareGPT prompts, an EAGLE-3 head and then (if time is left) a chain-MTP head are trained on those
-# answers, and each is measured on MT-Bench (accept length, per-position acceptance; greedy and T=0.7;
-# a tree shape where the engine has trees; the n-gram drafter beside them). docs/draft-training.md.
+# ShareGPT prompts (first turns, or every turn with its context: PROMPTS below), an EAGLE-3 head and then
+# (if time is left) a chain-MTP head are trained on those answers, and each is measured on MT-Bench (accept
+# length, per-position acceptance; greedy and T=0.7; a tree shape where the engine has trees; the n-gram
+# drafter beside them). docs/draft-training.md.
 #
 # Needs (carried): .whl/ (the gguf wheel), .devcarry/question.jsonl (MT-Bench) and
 # .devcarry/train/prompts.jsonl.gz (ShareGPT prompts, written here by
@@ -23,6 +24,11 @@
 #   KEEP_DATA=1: copy the answers (responses-W.npz, token ids only) to $OUT/data/, to carry to a later call.
 #   GEN_TEMPERATURE=0.8: sampled answers, not greedy ones (a second look at the target's distribution
 #   over the same prompts, where greedy answers to every prompt are already in hand).
+#   PROMPTS=FILE: the prompts the data workers answer (default .devcarry/train/prompts.jsonl.gz, ShareGPT first
+#   turns). Every ShareGPT turn with the conversation before it: write the file once on the development machine,
+#   `specserve train-draft --phase prompts --data sharegpt-turns --out .devcarry/turns`, then
+#   PROMPTS=.devcarry/turns/prompts.jsonl.gz. Answers belong to their prompts file (prompt indices): DATA_IN
+#   files made for another one are refused, or, written before files recorded it, silently skip those indices.
 #   DATA_IN=DIR: DIR/responses-W.npz (a KEEP_DATA run's, same WORKERS) seed worker W's file, so its
 #   generation resumes after the prompts already answered instead of answering them again.
 #   RESPONSES_IN=a.npz,b.npz: train on these answers (e.g. a previous call's, carried) as well as on

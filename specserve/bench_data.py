@@ -166,13 +166,14 @@ def prompts_file_texts(path: Path) -> list[str]:
     return texts
 
 
-def write_prompts(texts: Sequence[str], path: str | Path) -> Path:
-    """A gzipped JSON-lines prompts file (what a machine without the data set's wheel can carry)."""
+def write_prompts(texts: Sequence[str | list[dict]], path: str | Path) -> Path:
+    """A gzipped JSON-lines prompts file (what a machine without the data set's wheel can carry): a
+    text per line, or `{"messages": [...]}` for a conversation (draft training's `sharegpt-turns`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for text in texts:
-            f.write(json.dumps(text) + "\n")
+            f.write(json.dumps(text if isinstance(text, str) else {"messages": text}) + "\n")
     return path
 
 

@@ -80,6 +80,17 @@ def test_new_requests_join_in_waves(target, tmp_path):
     assert waves[0] == 8 and all(n >= 3 for n in waves[:-1]) and sum(waves) == 21
 
 
+def test_max_samples_holds_across_saves(target, tmp_path):
+    """`--num-prompts`: a run saving after every step (the answers so far leave its pending list)
+    still stops at max_samples, counted with the file's earlier answers."""
+    llm = LLM(target, device="cpu", dtype="float32", max_running_requests=4)
+    prompts = [p[:4] for p in _prompts(16, seed=6)]
+    settings = GenerationSettings(max_new_tokens=5, batch=4, wave=1, save_seconds=0)
+    path, quiet = tmp_path / "r.npz", {"log": lambda _: None}
+    assert len(generate_responses(llm, prompts, path, settings, max_samples=3, **quiet)) == 3
+    assert len(generate_responses(llm, prompts, path, settings, max_samples=9, **quiet)) == 9
+
+
 @pytest.mark.parametrize(
     "method, shape",
     [("eagle3", {"draft_vocab_size": 64}), ("eagle", {"layers_per_module": 2}), ("mtp", {"num_modules": 3})],

@@ -37,6 +37,23 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mappi
 
     Raises ValueError("messages...: ...") for malformed messages or ones the template rejects.
     """
+    ids = _apply_chat_template(tokenizer, messages, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def chat_prompts_ids(
+    tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Sequence[Mapping[str, Any]]]
+) -> list[list[int]]:
+    """`chat_prompt_ids` of many conversations: each rendered to text by the template, then all
+    tokenized in one batch as `apply_chat_template` tokenizes its text (no special tokens added),
+    which a fast tokenizer spreads over every core (draft training's tens of thousands of prompts)."""
+    texts = [_apply_chat_template(tokenizer, messages, tokenize=False) for messages in conversations]
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+
+
+def _apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], *, tokenize
+):
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
         raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...} objects")
     for i, message in enumerate(messages):
@@ -49,12 +66,11 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mappi
     if not tokenizer.chat_template:
         raise ValueError("messages: the model has no chat template")
     try:
-        ids = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=True, add_generation_prompt=True
+        return tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=tokenize, add_generation_prompt=True
         )
     except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
         raise ValueError(f"messages: the chat template rejected them ({exc})") from exc
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def eos_token_ids(

@@ -1,6 +1,8 @@
 """Training draft heads for a target model by self-distillation (`specserve train-draft`).
 
 - `data.py`: the target answers prompts through the offline engine; token ids saved, resumable.
+- `turns.py`: `sharegpt-turns`, every ShareGPT human turn with the conversation before it as a prompt.
+- `answers.py`: a data set's own answers as samples (no generation).
 - `dataset.py`: length-grouped, token-budgeted batches in a seeded, resumable order; the draft vocabulary.
 - `attention.py`: attention contexts over dense batches, with the unrolled chain's mask.
 - `unroll.py`: the target pass and the unrolled, per-step loss (EAGLE-3's training-time test, MTP layers).

@@ -7,7 +7,8 @@ of a tokenizer pass instead of the target decoding every answer. The inputs then
 the head sees when serving (the target's own greedy text), which is why the target's answers
 (`data` phase) stay the better data per token; these add volume and variety beside them
 (EAGLE's heads were trained on fixed ShareGPT answers). The file has the layout the data phase
-writes (`responses.npz`), so training takes both in one `--responses` list.
+writes (`responses.npz`), so training takes both in one `--responses` list. With `sharegpt-turns`
+every gpt turn is an answer, read after the conversation before it (`specserve/train/turns.py`).
 """
 
 from __future__ import annotations
@@ -16,43 +17,70 @@ import random
 from collections.abc import Sequence
 
 from specserve.train.data import Samples, append, empty_samples
+from specserve.train.turns import Prompt, prompt_messages
+
+_CHUNK = 4096  # pairs tokenized together
 
 
 def answer_samples(
     tokenizer,
-    exchanges: Sequence[tuple[str, str]],
+    exchanges: Sequence[tuple[Prompt, str]],
     *,
     max_prompt_tokens: int,
     max_answer_tokens: int,
     meta: dict | None = None,
 ) -> Samples:
-    """(question, answer) pairs as samples: the question through the chat template (assistant turn
-    opened), then the answer's ids cut to `max_answer_tokens`, then the end-of-turn token if the
-    answer was not cut (the target's own answers end the same way). Questions longer than
-    `max_prompt_tokens` are skipped; `prompt_index` is the pair's index in `exchanges`."""
-    from specserve.model.tokenizer import chat_prompt_ids
+    """(question, answer) pairs as samples: the question (a user turn's text, or a conversation's
+    messages) through the chat template (assistant turn opened), then the answer's ids cut to
+    `max_answer_tokens`, then the end-of-turn token if the answer was not cut (the target's own
+    answers end the same way). Questions longer than `max_prompt_tokens` are skipped; `prompt_index`
+    is the pair's index in `exchanges`. Tokenized in batches (a fast tokenizer uses every core)."""
+    from specserve.model.tokenizer import chat_prompts_ids
 
     end = tokenizer.eos_token_id
-    new: list[tuple[list[int], int, int]] = []
-    for i, (question, answer) in enumerate(exchanges):
-        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
-        if len(prompt) > max_prompt_tokens:
-            continue
-        ids = tokenizer.encode(answer, add_special_tokens=False)
-        if len(ids) < max_answer_tokens and end is not None:
-            ids.append(end)
-        new.append((prompt + ids[:max_answer_tokens], len(prompt), i))
-    return append(empty_samples(meta), new)
+    samples = empty_samples(meta)
+    for first in range(0, len(exchanges), _CHUNK):
+        new: list[tuple[list[int], int, int]] = []
+        chunk = exchanges[first : first + _CHUNK]
+        prompts = chat_prompts_ids(tokenizer, [prompt_messages(q) for q, _ in chunk])
+        answers = tokenizer([a for _, a in chunk], add_special_tokens=False)["input_ids"]
+        for i, (prompt, ids) in enumerate(zip(prompts, answers, strict=True), start=first):
+            if len(prompt) > max_prompt_tokens:
+                continue
+            ids = list(ids[:max_answer_tokens])
+            if len(ids) < max_answer_tokens and end is not None:
+                ids.append(end)
+            new.append((prompt + ids, len(prompt), i))
+        samples = append(samples, new)  # as arrays: Python lists of every chunk's ids would take GBs
+    return samples
 
 
-def dataset_exchanges(data: str, *, seed: int, max_chars: int) -> list[tuple[str, str]]:
+def dataset_exchanges(
+    data: str, *, seed: int, max_chars: int, tokenizer=None, max_prompt_tokens: int = 1024
+) -> list[tuple[Prompt, str]]:
     """A named data set's (question, answer) pairs with questions of at most `max_chars`, in a
-    seeded order (so `--num-prompts` takes a representative part). Only ShareGPT has answers."""
+    seeded order (so `--num-prompts` takes a representative part). Only ShareGPT has answers:
+    `sharegpt` pairs first turns, `sharegpt-turns` every (context, gpt turn) pair of the fitted
+    prompts (which needs `tokenizer`)."""
     from specserve.assets import dataset_path
     from specserve.bench_data import sharegpt_exchanges
 
+    if data == "sharegpt-turns":
+        from specserve.train.turns import sharegpt_turn_exchanges
+
+        if tokenizer is None:
+            raise ValueError(f"data: {data} needs the target's tokenizer")
+        return sharegpt_turn_exchanges(
+            dataset_path("sharegpt"),
+            tokenizer,
+            seed=seed,
+            max_chars=max_chars,
+            max_prompt_tokens=max_prompt_tokens,
+        )
     if data != "sharegpt":
-        raise ValueError(f"data: the answers phase needs a data set with answers (sharegpt), not {data!r}")
+        raise ValueError(
+            f"data: the answers phase needs a data set with answers (sharegpt, sharegpt-turns), not {data!r}"
+        )
     pairs = [(q, a) for q, a in sharegpt_exchanges(dataset_path("sharegpt")) if 4 <= len(q) <= max_chars]
     random.Random(seed).shuffle(pairs)
     return pairs

@@ -2,6 +2,8 @@
 
     specserve train-draft --method eagle3 --target smollm2-135m-instruct --data sharegpt --out DIR
 
+`--data sharegpt-turns` takes every ShareGPT human turn with the conversation before it (fitted to
+`--max-prompt-tokens` of the target's chat template; `specserve/train/turns.py`), not only first turns.
 Phases (`--phase`, comma-separated, in this order): `prompts` writes the data set's prompts to
 DIR/prompts.jsonl.gz (a file a machine without the data set's wheel can carry, then `--data FILE`);
 `answers` writes the data set's own answers (ShareGPT's) as samples, no generation (`--responses`,
@@ -32,7 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target", default="smollm2-135m-instruct", help="target model: asset name, .gguf or HF folder"
     )
     parser.add_argument(
-        "--data", default="sharegpt", help="prompts: sharegpt, mt-bench, or a JSON-lines file (.gz too)"
+        "--data",
+        default="sharegpt",
+        help="prompts: sharegpt (first turns), sharegpt-turns (every turn, with its context), mt-bench, "
+        "or a JSON-lines file (.gz too)",
     )
     parser.add_argument("--out", required=True, help="the head's folder (and the run's state)")
     parser.add_argument("--phase", default="data,train,eval", help=f"comma-separated, of {', '.join(PHASES)}")
@@ -58,8 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--max-new-tokens", type=int, default=512, help="longest answer")
     data.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
     data.add_argument("--gen-batch", type=int, default=64, help="requests decoded together")
-    data.add_argument("--max-prompt-chars", type=int, default=2000)
-    data.add_argument("--max-prompt-tokens", type=int, default=1024)
+    data.add_argument(
+        "--max-prompt-chars", type=int, default=2000, help="longest user turn (sharegpt-turns: longest turn)"
+    )
+    data.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1024,
+        help="longest prompt, chat template included (sharegpt-turns: its context is fitted to it)",
+    )
 
     train = parser.add_argument_group("training")
     train.add_argument("--max-steps", type=int, default=None, help="optimizer steps (total, across resumes)")
@@ -140,11 +152,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, phases: list[str]) -> int:
     from specserve.bench_data import write_prompts
-    from specserve.train.data import prompt_texts
+    from specserve.train.data import TURN_DATASETS
 
     out = Path(args.out)
     if "prompts" in phases:
-        texts = prompt_texts(args.data, seed=args.seed, max_chars=args.max_prompt_chars)
+        tokenizer = _tokenizer(args) if args.data in TURN_DATASETS else None
+        texts = _prompts(args, args.data, tokenizer)
         texts = texts[: args.num_prompts] if args.num_prompts else texts
         print(f"prompts: {len(texts)} in {write_prompts(texts, out / 'prompts.jsonl.gz')}")
     rest = [p for p in phases if p != "prompts"]
@@ -172,6 +185,27 @@ def _load(args: argparse.Namespace):
     return load_model(args.target, where.torch_device(), where.torch_dtype())
 
 
+def _tokenizer(args: argparse.Namespace):
+    """The target's tokenizer alone (the prompts phase loads no weights; `sharegpt-turns` fits its
+    prompts to the chat template)."""
+    from specserve.assets import resolve_model
+    from specserve.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(args.target).path)
+
+
+def _prompts(args: argparse.Namespace, data: str, tokenizer) -> list:
+    from specserve.train.data import prompt_texts
+
+    return prompt_texts(
+        data,
+        seed=args.seed,
+        max_chars=args.max_prompt_chars,
+        tokenizer=tokenizer,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+
+
 def _responses_paths(args: argparse.Namespace, out: Path) -> list[Path]:
     if not args.responses:
         return [out / "responses.npz"]
@@ -189,17 +223,24 @@ def _shard(text: str) -> tuple[int, int]:
     return w, n
 
 
-def _chat_prompts(loaded, texts: list[str]) -> list[list[int]]:
-    from specserve.model.tokenizer import chat_prompt_ids
+def _chat_prompts(loaded, prompts: list) -> list[list[int]]:
+    from specserve.model.tokenizer import chat_prompts_ids
+    from specserve.train.turns import prompt_messages
 
-    return [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return chat_prompts_ids(loaded.tokenizer, [prompt_messages(p) for p in prompts])
 
 
 def _answers_phase(args: argparse.Namespace, loaded, out: Path) -> None:
     from specserve.train.answers import answer_samples, dataset_exchanges
     from specserve.train.data import save_samples
 
-    exchanges = dataset_exchanges(args.data, seed=args.seed, max_chars=args.max_prompt_chars)
+    exchanges = dataset_exchanges(
+        args.data,
+        seed=args.seed,
+        max_chars=args.max_prompt_chars,
+        tokenizer=loaded.tokenizer,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     exchanges = exchanges[: args.num_prompts] if args.num_prompts else exchanges
     meta = {"target": args.target, "data": args.data, "answers": "dataset"}
     samples = answer_samples(
@@ -216,7 +257,7 @@ def _answers_phase(args: argparse.Namespace, loaded, out: Path) -> None:
 
 def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
     from specserve import LLM
-    from specserve.train.data import GenerationSettings, generate_responses, prompt_texts
+    from specserve.train.data import GenerationSettings, generate_responses
 
     settings = GenerationSettings(
         max_new_tokens=args.max_new_tokens,
@@ -228,7 +269,7 @@ def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
     paths = _responses_paths(args, out)
     if len(paths) != 1:
         raise ValueError("--responses: the data phase writes one file")
-    texts = prompt_texts(args.data, seed=args.seed, max_chars=args.max_prompt_chars)[worker::workers]
+    texts = _prompts(args, args.data, loaded.tokenizer)[worker::workers]
     prompts = _chat_prompts(loaded, texts)
     deadline = time.monotonic() + args.data_minutes * 60 if args.data_minutes else None
     llm = LLM(
@@ -303,7 +344,9 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
 def _eval_phase(args: argparse.Namespace, loaded, out: Path) -> None:
     from specserve.train.data import prompt_texts
 
-    texts = prompt_texts(args.eval_data, seed=args.seed)[: args.eval_prompts]
+    texts = prompt_texts(
+        args.eval_data, seed=args.seed, tokenizer=loaded.tokenizer, max_prompt_tokens=args.max_prompt_tokens
+    )[: args.eval_prompts]
     prompts = [p for p in _chat_prompts(loaded, texts) if len(p) <= args.max_prompt_tokens]
     head = {"method": args.method, "num_steps": args.eval_steps, "draft_model": str(out)}
     configs = [head] + [_tree(head, shape) for shape in args.eval_tree]

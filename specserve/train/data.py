@@ -12,6 +12,7 @@ killed resumes with the prompts it has not answered.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -158,15 +159,46 @@ def load_samples(path: str | Path) -> Samples:
 # ---- prompts -------------------------------------------------------------------------------------
 
 
-def prompt_texts(data: str, *, seed: int = 0, max_chars: int = 2000) -> list[str]:
-    """User prompts: a named data set (`sharegpt`, `mt-bench`: first user turns, in benchmark order)
-    or a prompts file (JSON lines, optionally gzipped: a string, or an object with `prompt`/`text`)."""
+TURN_DATASETS = ("sharegpt-turns",)  # data sets of conversations, built with the target's tokenizer
+
+
+def prompt_texts(
+    data: str,
+    *,
+    seed: int = 0,
+    max_chars: int = 2000,
+    tokenizer=None,
+    max_prompt_tokens: int = 1024,
+) -> list:
+    """Prompts (`turns.Prompt`: a user turn's text, or a conversation's messages): a named data set
+    (`sharegpt`, `mt-bench`: first user turns, in benchmark order; `sharegpt-turns`: every ShareGPT
+    human turn with its context fitted to `max_prompt_tokens` of `tokenizer`'s chat template,
+    `specserve/train/turns.py`) or a prompts file (JSON lines, optionally gzipped: a string, an object
+    with `prompt`/`text`, or one with `messages`)."""
+    from specserve.bench_data import DATASETS
     from specserve.bench_data import prompt_texts as dataset_texts
 
-    try:
+    if data in TURN_DATASETS:
+        from specserve.assets import dataset_path
+        from specserve.train.turns import sharegpt_turns
+
+        if tokenizer is None:
+            raise ValueError(f"data: {data} needs the target's tokenizer")
+        turns = sharegpt_turns(
+            dataset_path("sharegpt"),
+            tokenizer,
+            seed=seed,
+            max_chars=max_chars,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+        return [t.as_messages() for t in turns]
+    if data in DATASETS:
         return dataset_texts(data, seed=seed, max_chars=max_chars)
-    except ValueError as err:
-        raise ValueError(f"data: {str(err).removeprefix('dataset: ')}") from None
+    if not Path(data).is_file():
+        raise ValueError(f"data: {data!r} is neither one of {[*DATASETS, *TURN_DATASETS]} nor a prompts file")
+    from specserve.train.turns import read_prompts_file
+
+    return read_prompts_file(Path(data), max_chars=max_chars)
 
 
 # ---- generation ----------------------------------------------------------------------------------
@@ -197,15 +229,28 @@ def generate_responses(
     log=print,
 ) -> Samples:
     """Answer `prompts` (token ids, chat template applied) with `llm`'s engine, resuming from `path`
-    if it exists (answered prompts are skipped), until the prompts, `max_samples` or the `deadline`
-    (time.monotonic()) run out; answers unfinished at the deadline are dropped. Prompts longer than
-    `max_prompt_tokens` are skipped."""
+    if it exists (answered prompts are skipped; a file made for another prompt list is refused), until
+    the prompts, `max_samples` or the `deadline` (time.monotonic()) run out; answers unfinished at the
+    deadline are dropped. Prompts longer than `max_prompt_tokens` are skipped."""
     path = Path(path)
     engine = llm.engine
-    samples = load_samples(path) if path.is_file() else empty_samples(meta)
+    fingerprint = prompts_fingerprint(prompts)
+    if path.is_file():
+        samples = load_samples(path)
+        known = (samples.meta or {}).get("prompts_sha256")  # files written before it have none
+        if known is not None and known != fingerprint:
+            raise ValueError(
+                f"data: {path} answers another prompt list (its prompt indices would mean other prompts "
+                "here): the same --data, --seed, --max-prompt-chars, --max-prompt-tokens and --shard "
+                "resume it, or give another --responses"
+            )
+    else:
+        samples = empty_samples({**(meta or {}), "prompts_sha256": fingerprint})
     answered = set(samples.prompt_index.tolist())
     todo = (i for i, p in enumerate(prompts) if i not in answered and len(p) <= settings.max_prompt_tokens)
-    budget = (max_samples - len(samples)) if max_samples is not None else len(prompts)
+    # Answers this run may add; `new` empties at each save, so the count is held against `kept`.
+    kept = len(samples)
+    budget = (max_samples - kept) if max_samples is not None else len(prompts)
     in_flight: dict[str, int] = {}
     new: list[tuple[list[int], int, int]] = []
     began = saved = time.monotonic()
@@ -213,8 +258,9 @@ def generate_responses(
     wave = settings.wave or max(1, settings.batch // 4)
     while True:
         late = deadline is not None and time.monotonic() >= deadline
-        top_up = settings.batch - len(in_flight) >= min(wave, budget - len(in_flight) - len(new))
-        while top_up and not late and len(in_flight) < settings.batch and len(in_flight) + len(new) < budget:
+        done = len(samples) - kept + len(new)
+        top_up = settings.batch - len(in_flight) >= min(wave, budget - len(in_flight) - done)
+        while top_up and not late and len(in_flight) < settings.batch and len(in_flight) + done < budget:
             i = next(todo, None)
             if i is None:
                 break
@@ -239,6 +285,15 @@ def generate_responses(
     while engine.has_unfinished():  # the aborted requests' last outputs
         engine.step()
     return _save(samples, new, path, began, log, pace)
+
+
+def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
+    """sha256 of a prompt list's token ids in order: a responses file records it, so that resuming
+    with another list (whose index i is another prompt) is refused instead of mixing them up."""
+    digest = hashlib.sha256()
+    for ids in prompts:
+        digest.update(np.int64(len(ids)).tobytes() + np.asarray(ids, np.int64).tobytes())
+    return digest.hexdigest()
 
 
 @dataclass
