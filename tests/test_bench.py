@@ -57,7 +57,13 @@ def test_sharegpt_exchanges_pair_the_first_question_with_the_answer_after_it(tmp
         {"conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt"}]},  # no answer text
         {"conversations": [{"from": "gpt", "value": "Hi"}, {"from": "human", "value": "Q3"}]},  # none after
         {"conversations": [{"from": "human", "value": "Q4"}, {"from": "human", "value": "Q4b"}]},
-        {"conversations": [{"from": "human", "value": "Q5"}, {"from": "gpt", "value": "A5"}, {"from": "human", "value": "Q6"}]},
+        {
+            "conversations": [
+                {"from": "human", "value": "Q5"},
+                {"from": "gpt", "value": "A5"},
+                {"from": "human", "value": "Q6"},
+            ]
+        },
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(conversations))

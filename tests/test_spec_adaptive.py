@@ -350,10 +350,14 @@ class _H100Clock:
         self.batch = batch
 
     def profile(self, costs: StepCosts) -> None:
-        costs.profile(VERIFY, [(self.batch, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 0.7 * self.SPEC[b][1] * MS)
+        costs.profile(
+            VERIFY, [(self.batch, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 0.7 * self.SPEC[b][1] * MS
+        )
         costs.profile(DRAFT, [(self.batch, 1)], lambda b, w: self.SPEC[b][0] * MS)
 
-    def run(self, policy: AdaptivePolicy, match: float, follow: float, steps: int, rng) -> tuple[float, float]:
+    def run(
+        self, policy: AdaptivePolicy, match: float, follow: float, steps: int, rng
+    ) -> tuple[float, float]:
         """Tokens and scripted seconds of `steps` decisions, each step's cost fed back as the engine does."""
         ids, tokens, seconds = [f"r{i}" for i in range(self.batch)], 0, 0.0
         for _ in range(steps):
@@ -388,7 +392,9 @@ def test_large_batch_where_speculation_really_loses_settles_off_within_plain():
     clock, rng = _H100Clock(64), random.Random(5)
     costs = StepCosts()
     clock.profile(costs)
-    policy = AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True)
+    policy = AdaptivePolicy(
+        default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True
+    )
     tokens, seconds = clock.run(policy, 0.5, 0.7, 600, rng)
     assert policy.current == OFF
     plain = 64 / (clock.PLAIN[64] * MS)
@@ -402,7 +408,9 @@ def test_batch_1_where_speculation_wins_picks_the_deep_chain_and_its_throughput(
     clock, rng = _H100Clock(1), random.Random(6)
     costs = StepCosts()
     clock.profile(costs)
-    policy = AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True)
+    policy = AdaptivePolicy(
+        default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True
+    )
     tokens, seconds = clock.run(policy, 0.8, 0.9, 400, rng)
     assert policy.current == Tier.chain(8)
     static = AdaptivePolicy([Tier.chain(8)], StepCosts(), AcceptanceTracker(8), draft_per_step=False)
@@ -427,7 +435,9 @@ def test_probes_are_spaced_by_their_cost_against_decoding():
     c = StepCosts()
     c.profile(VERIFY, [(64, q) for q in (1, 2, 3, 5, 9)], lambda b, q: (2.5 if q == 1 else 5.0) * MS)
     c.profile(DRAFT, [(64, 1)], lambda b, w: 0.5 * MS)
-    policy = AdaptivePolicy(default_tiers(8), c, AcceptanceTracker(8), draft_per_step=False, probe_every=4, probe_share=0.02)
+    policy = AdaptivePolicy(
+        default_tiers(8), c, AcceptanceTracker(8), draft_per_step=False, probe_every=4, probe_share=0.02
+    )
     tiers = _bimodal(policy, 0.0, 0.0, 64, 300, random.Random(7))
     off_since = tiers.index(OFF)  # the policy starts on its optimistic prior, then goes off
     probes = [i for i, t in enumerate(tiers) if t != OFF and i > off_since]
@@ -444,7 +454,9 @@ def test_a_plain_step_priced_from_a_slow_profile_is_measured_not_believed():
     costs = StepCosts()
     clock.profile(costs)
     costs.profile(VERIFY, [(1, 1)], lambda b, q: 2.5 * clock.PLAIN[1] * MS)  # the slow profile
-    policy = AdaptivePolicy(default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True)
+    policy = AdaptivePolicy(
+        default_tiers(8), costs, AcceptanceTracker(8), draft_per_step=False, overlapped_off=True
+    )
     assert policy.step_seconds(OFF, 1) > 2 * clock.PLAIN[1] * MS
     tokens, seconds = clock.run(policy, 0.2, 0.5, 600, rng)
     assert policy.current == OFF

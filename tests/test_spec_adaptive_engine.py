@@ -240,7 +240,9 @@ def test_only_steady_steps_reach_the_cost_tables(target):
 
     adaptive.policy.decide = decide
     for i, prompt in enumerate(motif_prompts(3, VOCAB, seed=4)):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True), f"r{i}")
+        engine.add_request(
+            prompt, SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True), f"r{i}"
+        )
     engine.step()  # the prefill (the standing tier, the deepest, runs it synchronously)
     for _ in range(14):
         engine.step()
