@@ -169,6 +169,7 @@ def instrument_spec(engine, timers: Timers) -> None:
         if drafter.graphs is not None:
             timers.wrap(drafter.graphs, "_chain_forward", "device:draft")
             timers.wrap(drafter.graphs, "_extend_forward", "device:draft")
+            timers.wrap(drafter.graphs, "greedy_tokens", "device:draft")  # the seeds' top-1 kernel
 
 
 def count_transfers(llm: LLM, steps: int) -> None:
