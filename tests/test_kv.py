@@ -110,3 +110,41 @@ def test_scheduler_retracts_newest_when_pool_is_short():
     sched.remove(old)
     sched.remove(new)
     kv.check(idle=True)
+
+
+def test_a_commit_put_off_runs_at_the_flush_or_before_the_pages_are_freed():
+    """`commit_later` keys the same pages `commit` would, when the engine gets to it (while the
+    device works), and never loses them: freeing the request or flushing the cache runs it first."""
+    kv = KVManager(num_pages=30, page_size=2, enable_prefix_cache=True)
+    a = _req("a", [1, 2, 3, 4, 5, 6, 7])
+    kv.reserve(a, 7)
+    a.num_computed = 7
+    kv.commit_later(a, a.num_computed)
+    assert a.page_digests == [] and len(kv.prefix_cache) == 0  # not yet
+    kv.flush_commits()
+    assert len(a.page_digests) == 3 and len(kv.prefix_cache) == 3
+    a.token_ids += [8, 9]
+    kv.reserve(a, 9)
+    a.num_computed = 9
+    kv.commit_later(a, 9)
+    kv.free(a)  # the put-off commit runs before the pages go back
+    assert len(kv.prefix_cache) == 4 and kv.pool.num_evictable == 4
+    b = _req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert kv.match_prefix(b) == 8
+    kv.free(b)
+    # Nothing to key (the last page is partial): nothing is put off.
+    c = _req("c", [1, 2, 3])
+    kv.reserve(c, 3)
+    c.num_computed = 3
+    kv.commit(c, 3)
+    kv.commit_later(c, 3)
+    assert not kv._later
+    c.token_ids.append(4)
+    c.num_computed = 4
+    kv.reserve(c, 4)
+    kv.commit_later(c, 4)
+    kv.flush()  # a cache flush runs put-off commits first (then drops in-use pages' entries)
+    assert len(c.page_digests) == 2 and not kv._later
+    kv.free(c)
+    kv.flush()
+    kv.check(idle=True)

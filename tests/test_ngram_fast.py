@@ -80,3 +80,18 @@ def test_ngram_draft_reads_the_mirror_and_never_a_placeholder():
             want = ref.propose_tree(req.token_ids, 4, 3, 10)
             _same_tree(req.draft_tree, want)
             assert req.draft == (list(want.tokens) if want else [])
+
+
+def test_many_candidates_try_the_latest_first_and_fall_back_to_all():
+    """Past PYTHON_CANDIDATES ends the latest few are tried first: a full match there (a cycle) is
+    the answer; else (the full match is older than them) every candidate is, as the reference says."""
+    ref = RefNgramDrafter(1, 4)
+    cycle = [7, 8, 9] * 200 + [7, 8]
+    # The last token (5) recurs 100 times, each after 1 2 3 but for the latest 20 (after 0 0 0):
+    # the full match of the suffix 1 2 3 5 is older than the latest candidates.
+    older = [1, 2, 3, 5, 6] * 80 + [0, 0, 0, 5, 6] * 20 + [1, 2, 3, 5]
+    for tokens in (cycle, older):
+        drafter = NgramDrafter(1, 4)
+        assert len([t for t in tokens[:-1] if t == tokens[-1]]) > PYTHON_CANDIDATES
+        assert drafter.propose(tokens, 5) == ref.propose(tokens, 5)
+    assert NgramDrafter(1, 4).propose(older, 5) == [6, 0, 0, 0, 5]  # after the last 1 2 3 5

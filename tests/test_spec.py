@@ -321,3 +321,33 @@ def test_standalone_weak_draft_is_lossless(loaded, prompts, tiny_draft, page_siz
 def test_standalone_needs_a_draft_model_with_the_same_vocabulary(loaded, tmp_path):
     with pytest.raises(ValueError, match="speculative.draft_model"):
         _llm(loaded, {"method": "standalone"})
+
+
+def test_host_work_put_off_until_the_next_forward_loses_nothing(loaded, prompts):
+    """A speculative step leaves its prefix-cache commits and the detokenising of requests nobody
+    streams to the next step's forward (`Engine._while_device_works`): the texts come out as a
+    streamed request's, and every page still enters the cache."""
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = _llm(loaded, {"method": "ngram", "num_steps": 4}, page_size=1).engine
+    prompt = _ids(prompts[0])
+    quiet = engine.add_request(prompt, params, stream=False)
+    streamed = engine.add_request(prompt, params, stream=True)
+    outputs: dict[str, list] = {quiet: [], streamed: []}
+    put_off = unread = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        put_off += bool(engine.kv._later)
+        unread += bool(engine._unread_texts)
+    assert put_off and unread  # the steps did leave work for the next forward
+    (last,), chunks = outputs[quiet], outputs[streamed]
+    assert last.token_ids == chunks[-1].token_ids
+    assert last.text == chunks[-1].text == "".join(c.delta_text for c in chunks)
+    # The whole sequence but its last token (which has no KV) is cached.
+    sequence = prompt + last.token_ids
+    rid = engine.add_request(sequence, SamplingParams(max_new_tokens=1, temperature=0.0), stream=False)
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.request_id == rid and o.finished]
+    assert done[0].meta["cached_tokens"] == len(sequence) - 1
+    engine.check_kv_accounting()

@@ -126,6 +126,8 @@ class Engine:
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, TextState] = {}
+        # Texts of requests nobody streams with ids not detokenised yet (`_while_device_works`).
+        self._unread_texts: list[TextState] = []
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self._stats = StepStats()
@@ -240,6 +242,7 @@ class Engine:
         # verify reads them with its results, so the host waits once a step (`_verify`).
         pending = self.drafter.take_pending_drafts() if self.drafter is not None else None
         hidden, aux, logits = self.runner.execute(inp, capture or (), future=pending)
+        self._while_device_works()  # the forward is queued: the host waits for it in `_verify`
         emitted, drawn_at = self._verify(items, inp, logits, pending)
         self._compact_accepted_paths(items, drawn_at)
         if self.states is not None:  # each verified request's state: its last accepted token's
@@ -286,6 +289,7 @@ class Engine:
             launched = self._launch(items, previous) if items else None
         except Exception as exc:  # the step before is sound: hand out its tokens, then fail this one
             self._failure = exc
+        self._while_device_works()
         stats.lap("target")
         outputs = self._settle_step(previous) if previous is not None else []
         self._inflight = launched
@@ -683,12 +687,31 @@ class Engine:
             self._count_verify(req, len(item.draft), len(tokens) - 1)  # a decode's verify (path length)
         reason, delta = self._append(req, tokens or [], records)
         # After the append: pages of accepted drafts are keyed by those tokens.
-        self.kv.commit(req, self._cacheable(req))
         if reason is not None:
+            self.kv.commit(req, self._cacheable(req))
             self._finish(req, reason)
-        elif tokens:
-            self.kv.trim(req, len(req.token_ids))
+        else:  # put off while the request runs on: the next step's forward hides it
+            self.kv.commit_later(req, self._cacheable(req))
+            if tokens:
+                self.kv.trim(req, len(req.token_ids))
+                if not req.stream:  # its ids wait for the text to be read: detokenised meanwhile
+                    self._unread_texts.append(self._texts[req.request_id])
         return self._emit(req, delta) if tokens else None
+
+    def _while_device_works(self) -> None:
+        """Host work earlier steps left that needs nothing of the step just launched, done while
+        the device runs it (a speculative step's host otherwise idles until verify's results
+        arrive): prefix-cache commits and detokenising the ids a speculative step gave requests
+        nobody streams (else all decoded at their end, together when a batch ends together: 16 x
+        256 tokens took 10-15 ms on a CPU). Either gives the same results whenever it runs.
+        Overlapped plain steps leave their ids to the end: their host work is hidden anyway, and
+        spread over the steps the decoding cost 3-4x more CPU time (on the CPU, where the forward
+        between them leaves the tokenizer's tables out of the caches)."""
+        self.kv.flush_commits()
+        if self._unread_texts:
+            texts, self._unread_texts = self._unread_texts, []
+            for text in texts:
+                text.catch_up()
 
     def _record_inputs(self, item: ScheduledItem, records: StepLogprobs | None) -> RequestOutput | None:
         """Keep the step's prompt logprobs; a prefill-only request whose prompt is now done ends here

@@ -24,6 +24,8 @@ class KVManager:
                 "enable_prefix_cache: hybrid models keep no state snapshots to resume a prefix from"
             )
         self.states = states
+        # Commits put off until the host has time (`commit_later`): request -> its `upto`.
+        self._later: dict[Request, int] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -89,7 +91,28 @@ class KVManager:
             digests.append(parent)
             i += 1
 
+    def commit_later(self, req: Request, upto: int) -> None:
+        """`commit` when `flush_commits` runs (the engine runs it while the device works), or before
+        the request's pages are freed, whichever comes first. Its pages' KV and tokens are final, so
+        the digests are the same whenever they are taken; meanwhile a new request simply finds
+        fewer of its pages cached."""
+        if self.prefix_cache is None:
+            return
+        limit = min(upto, req.num_computed, len(req.token_ids))
+        if (len(req.page_digests) + 1) * self.page_size <= limit:  # a page completed: else nothing to do
+            self._later[req] = upto
+
+    def flush_commits(self) -> None:
+        """Run the commits `commit_later` put off."""
+        if self._later:
+            later, self._later = self._later, {}
+            for req, upto in later.items():
+                self.commit(req, upto)
+
     def free(self, req: Request) -> None:
+        upto = self._later.pop(req, None)
+        if upto is not None:  # its completed pages enter the cache before they are released
+            self.commit(req, upto)
         # Last pages first, so the prefix cache evicts leaves before the prefixes they extend.
         self.pool.release(reversed(req.pages))
         req.pages, req.page_digests = [], []
@@ -100,6 +123,7 @@ class KVManager:
             req.state_slot = None
 
     def flush(self) -> None:
+        self.flush_commits()
         if self.prefix_cache is not None:
             self.prefix_cache.flush()
 

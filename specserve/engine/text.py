@@ -59,6 +59,11 @@ class TextState:
         self._sent = max(self._sent, len(visible))
         return delta
 
+    def catch_up(self) -> None:
+        """Detokenise the ids pushed so far (the text is the same whenever this runs: the engine
+        runs it while the device works, so little is left when the text is read)."""
+        self._catch_up()
+
     def _catch_up(self) -> None:
         # One token per call, as when each was pushed: the text cannot depend on when it is read.
         for token_id in self._unread:

@@ -31,6 +31,9 @@ CONTINUATIONS_PER_TOPK = 4
 # A chain's candidate ends are extended in Python up to this many, beyond with array operations
 # (cheaper per candidate, dearer per call).
 PYTHON_CANDIDATES = 64
+# With more candidates than that, the latest this many are still tried in Python first: a full
+# match among them ends the search before any array operation.
+PRESCAN_CANDIDATES = 8
 
 
 class NgramDrafter(Drafter):
@@ -74,19 +77,22 @@ class NgramDrafter(Drafter):
         ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         if not ends.size:
             return []
-        if len(ends) <= self.python_candidates:
-            # Few candidates: extending each in Python, the latest first, costs less than the array
-            # operations' calls, and stops at the first that matches `top` tokens.
-            best, end = 0, -1
-            for p in reversed(ends.tolist()):
-                m = 1
-                while m < top and m <= p and seq[p - m] == seq[size - 1 - m]:
-                    m += 1
-                if m > best:
-                    best, end = m, p
-                    if m == top:
-                        break
-        else:
+        many = len(ends) > self.python_candidates
+        # Few candidates: extending each in Python, the latest first, costs less than the array
+        # operations' calls, and stops at the first that matches `top` tokens. Many: the latest
+        # few first all the same, as the latest full match is the answer however many come before
+        # it (repetitive text, where the lookup pays off, has one at the very end).
+        latest = ends[-PRESCAN_CANDIDATES:] if many else ends
+        best, end = 0, -1
+        for p in reversed(latest.tolist()):
+            m = 1
+            while m < top and m <= p and seq[p - m] == seq[size - 1 - m]:
+                m += 1
+            if m > best:
+                best, end = m, p
+                if m == top:
+                    break
+        if many and best < top:
             lengths = self._lengths(tokens, ends, top)
             i = len(lengths) - 1 - int(np.argmax(lengths[::-1]))  # the latest of the longest
             best, end = int(lengths[i]), int(ends[i])
