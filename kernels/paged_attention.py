@@ -87,7 +87,6 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
-    SPLITS_CAP: tl.constexpr,
     CUSTOM_MASK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -200,12 +199,11 @@ def _paged_attention_kernel(
                 rows_of,
                 row_ok,
                 d,
-                d_ok,
+                out_ok,
                 num_tokens,
                 num_heads,
                 num_splits,
                 HEAD_DIM,
-                SPLITS_CAP,
             )
             tl.atomic_xchg(counter, 0)
             _store_rows(out_ptr, t, head, d, stride_ot, stride_oh, acc, l_i, out_ok)
@@ -221,29 +219,34 @@ def _merge_rows(
     rows_of,
     row_ok,
     d,
-    d_ok,
+    out_ok,
     num_tokens,
     num_heads,
     num_splits,
     HEAD_DIM: tl.constexpr,
-    SPLITS_CAP: tl.constexpr,
 ):
-    """Every slice's partial of these (token, head) rows, merged: unnormalised acc and its sum. All
-    slices are read at once ([SPLITS_CAP, rows, D]): one trip to L2, not two per slice."""
-    s = tl.arange(0, SPLITS_CAP)
-    idx = s[:, None] * (num_tokens * num_heads) + rows_of[None, :]
-    ok = (s < num_splits)[:, None] & row_ok[None, :]
-    m_s = tl.load(part_m_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(part_l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-    o_s = tl.load(
-        part_o_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
-        mask=ok[:, :, None] & d_ok[None, None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    m = tl.max(m_s, axis=0)
-    w = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m)[None, :])  # an empty slice weighs 0
-    return tl.sum(w[:, :, None] * o_s, axis=0), tl.sum(w * l_s, axis=0)
+    """Every slice's partial of these (token, head) rows, merged: unnormalised acc and its sum."""
+    stride_split = num_tokens * num_heads
+    m = tl.full(rows_of.shape, float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m_s = tl.load(
+            part_m_ptr + s * stride_split + rows_of, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        m = tl.maximum(m, m_s)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.zeros(rows_of.shape, dtype=tl.float32)
+    acc = tl.zeros([rows_of.shape[0], d.shape[0]], dtype=tl.float32)
+    for s in range(num_splits):
+        part = s * stride_split + rows_of
+        w = tl.exp2(
+            tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - shift
+        )
+        l_sum += w * tl.load(part_l_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
+        o = tl.load(
+            part_o_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=out_ok, other=0.0, cache_modifier=".cg"
+        )
+        acc += w[:, None] * o
+    return acc, l_sum
 
 
 @triton.jit
@@ -427,7 +430,6 @@ def paged_attention(
         BLOCK_Q=tile.tokens,
         BLOCK_N=tile.keys,
         SPLIT=splits > 1,
-        SPLITS_CAP=max(8, triton.next_power_of_2(splits)),  # one variant for every count up to 8
         CUSTOM_MASK=custom_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 or q.device.type != "cuda" else "tf32",
         UPCAST=q.device.type != "cuda",

@@ -45,8 +45,8 @@ COMPILE = textwrap.dedent(
     ints = {n: "*i64" for n in ("query_start_ptr", "seq_lens_ptr", "page_table_ptr", "positions_ptr", "slots_ptr")}
     attn = {"default": "*bf16", "mask_ptr": "*u8", "counter_ptr": "*i32", **{n: "*fp32" for n in ("part_o_ptr", "part_m_ptr", "part_l_ptr")}}
     common = dict(GROUP=3, HEAD_DIM=64, BLOCK_D=64, PRECISION="tf32", UPCAST=False)
-    decode = dict(PAGE_SIZE=16, BLOCK_M=16, BLOCK_Q=5, BLOCK_N=64, SPLIT=True, SPLITS_CAP=8, CUSTOM_MASK=True)
-    prefill = dict(PAGE_SIZE=1, BLOCK_M=128, BLOCK_Q=42, BLOCK_N=64, SPLIT=False, SPLITS_CAP=8, CUSTOM_MASK=False)
+    decode = dict(PAGE_SIZE=16, BLOCK_M=16, BLOCK_Q=5, BLOCK_N=64, SPLIT=True, CUSTOM_MASK=True)
+    prefill = dict(PAGE_SIZE=1, BLOCK_M=128, BLOCK_Q=42, BLOCK_N=64, SPLIT=False, CUSTOM_MASK=False)
     compile_(pa._paged_attention_kernel, {**attn, **ints}, {**common, **decode})
     compile_(pa._paged_attention_kernel, {**attn, **ints}, {**common, **prefill}, num_warps=8)
     rope = dict(HALF=32, BLOCK_H=16, BLOCK_KH=4, BLOCK_HALF=32, ROPE=True)
