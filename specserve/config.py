@@ -80,7 +80,8 @@ class AdaptiveConfig:
     being speculation off; None: off, chains of 1, 2, 4, ... up to the configured num_steps, and the
     configured tree (`default_tiers`). Every tier must fit the configured shape (its KV slots and
     CUDA graphs are sized by it). The rest tune the policy, the acceptance estimates and the cost
-    tables (`AdaptiveSettings` in `specserve/serve/config.py` describes each)."""
+    tables (`AdaptiveSettings` in `specserve/serve/config.py` describes each); `shadow_lookups`: n-gram
+    lookups a step scored while off (`specserve/spec/shadow.py`; 0: none, probes alone)."""
 
     tiers: tuple[tuple[int, int, int], ...] | None = None
     hysteresis: float = 0.05
@@ -93,6 +94,7 @@ class AdaptiveConfig:
     prior_strength: float = 2.0
     cost_alpha: float = 0.2
     profile: bool = True
+    shadow_lookups: int = 8
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
@@ -116,6 +118,13 @@ class AdaptiveConfig:
         _require(self.prior_strength > 0, f"{name}.prior_strength", "must be > 0")
         _require(0 <= self.cost_alpha <= 1, f"{name}.cost_alpha", "must be in [0, 1] (0: keep the profile)")
         _require(isinstance(self.profile, bool), f"{name}.profile", "must be true or false")
+        _require(
+            isinstance(self.shadow_lookups, int)
+            and not isinstance(self.shadow_lookups, bool)
+            and self.shadow_lookups >= 0,
+            f"{name}.shadow_lookups",
+            "must be an integer >= 0",
+        )
         if self.tiers is None:
             return
         _require(len(self.tiers) > 0, f"{name}.tiers", "must name at least one tier (or be null)")

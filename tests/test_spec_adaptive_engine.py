@@ -106,6 +106,7 @@ def test_engine_settles_on_the_best_tier_as_acceptance_and_batch_change(target, 
     long = SamplingParams(max_new_tokens=LONG, temperature=0.0, ignore_eos=True)
     answers = [o.token_ids for o in plain.generate(prompts, long)]
     drafter = engine.drafter = ScriptedDrafter({})
+    engine.adaptive.shadow = None  # the scripted drafter sets acceptance; n-gram shadows would not
     phase = itertools.count()
 
     def run(rate: float, batch: int, waves: int = 1) -> list[tuple[int, int, Tier]]:
@@ -159,6 +160,7 @@ def test_a_mixed_batch_drafts_per_request_depths_losslessly(target, plain):
     params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
     answers = [o.token_ids for o in plain.generate(prompts, params)]
     drafter = engine.drafter = ScriptedDrafter({})
+    engine.adaptive.shadow = None  # the scripted drafter sets acceptance; n-gram shadows would not
     ids = []
     for i, prompt in enumerate(prompts):  # good and poor in turn: each batch of 4 mixes them
         rid = f"{'good' if i % 2 == 0 else 'poor'}{i}"
@@ -388,6 +390,7 @@ def test_metrics_show_the_tier_switches_and_goodput(target, plain):
     long = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
     answers = [o.token_ids for o in plain.generate(prompts, long)]
     drafter = engine.drafter = ScriptedDrafter({"a": answers[0], "b": answers[1]})
+    engine.adaptive.shadow = None  # the scripted drafter sets acceptance; n-gram shadows would not
     settings, changes = [engine.speculative_settings()], 0
     for rate, rid in ((0.95, "a"), (0.0, "b")):
         drafter.rate = rate

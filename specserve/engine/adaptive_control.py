@@ -50,6 +50,7 @@ from specserve.engine.stats import SpecSettings, StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
 from specserve.spec.draft_depths import VerifyShapes
+from specserve.spec.shadow import Lookup, ShadowDrafts
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, robust_mean
 
 DIAGNOSTIC_STEPS = 256  # steps per (tier, batch) whose costs `diagnostics` summarises
@@ -104,6 +105,21 @@ class AdaptiveSpeculation:
         self._steady_ms: dict[tuple[str, int], deque[float]] = {}
         self._transition_ms: dict[tuple[str, int], deque[float]] = {}
         self._previous: _StepShape | None = None  # the step before: what this step's time may hold of it
+        self.shadow: ShadowDrafts | None = None  # n-gram drafts scored while off (`use_shadow`)
+        self._shadow_lookups = config.shadow_lookups
+
+    def use_shadow(self, lookup: Lookup) -> None:
+        """The drafter is an n-gram lookup (host work): while off, score what it would have drafted
+        (`specserve/spec/shadow.py`) rather than wait for probes."""
+        chains = [t.num_steps for t in self.tiers if t.topk == 1 and not t.off]
+        if self._shadow_lookups <= 0 or not chains:
+            return
+        depth = max(chains)
+
+        def observe(request_id: str, drafted: int, accepted: int, batch: int) -> None:
+            self.acceptance.observe(request_id, 1, drafted, accepted, batch)
+
+        self.shadow = ShadowDrafts(lookup, depth, self._shadow_lookups, observe)
 
     @property
     def overlapped_off(self) -> bool:
@@ -132,7 +148,13 @@ class AdaptiveSpeculation:
             self._steps, self._probe, self._decoding = {}, False, 0
             return settings_of(self.tier)
         remaining = None if waiting else [r.params.max_new_tokens - r.num_output for r in reqs]
+        if self.shadow is not None:
+            self.shadow.score(reqs)
         decision = self.policy.decide([r.request_id for r in reqs], remaining)
+        if self.shadow is not None and decision.tier.off:
+            self.shadow.start(reqs)
+        elif self.shadow is not None:
+            self.shadow.drop()
         self.tier, self._steps = decision.tier, decision.steps
         self._probe, self._emitted = decision.tier != self.policy.current, 0
         self._emitted_by.clear()
@@ -220,6 +242,8 @@ class AdaptiveSpeculation:
         self.acceptance.forget(request_id)
         self.policy.forget(request_id)
         self._steps.pop(request_id, None)
+        if self.shadow is not None:
+            self.shadow.forget(request_id)
 
     def settings(self) -> SpecSettings:
         """The policy's standing tier (not a probe's), for the metrics."""

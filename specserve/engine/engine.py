@@ -122,6 +122,8 @@ class Engine:
         if self.adaptive is not None:
             self.adaptive.overlapped_off = self._overlap_off
             self.adaptive.shapes = verify_shapes(buckets)
+            if isinstance(self.drafter, NgramDrafter):  # a host lookup: scored while off, for free
+                self.adaptive.use_shadow(self.drafter.lookup)
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}

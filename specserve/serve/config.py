@@ -171,6 +171,13 @@ class AdaptiveSettings(BaseModel):
         description="Time every tier's target pass and draft step at start-up (CUDA-graph replays on the "
         "GPU, a few dummy steps on the CPU); off: costs are learnt from the first steps.",
     )
+    shadow_lookups: int = Field(
+        _adaptive_default("shadow_lookups"),
+        ge=0,
+        description="With the n-gram drafter, requests a plain step starts a shadow draft for: the lookup "
+        "runs anyway and what it would have had accepted feeds the acceptance estimates, so the policy "
+        "sees text turn predictable without waiting for a probe (0: probes only).",
+    )
 
 
 def _check_speculative_adaptive(value: dict[str, Any] | str | None) -> None:

@@ -62,6 +62,11 @@ class NgramDrafter(Drafter):
             tokens, token_ids if isinstance(token_ids, list) else tokens.tolist(), max_tokens
         )
 
+    def lookup(self, tokens: np.ndarray, seq: list[int], max_tokens: int) -> list[int]:
+        """`propose` over a request's tokens already held both ways (`tokens` int64; `seq` a list that
+        starts with them, read no further): no conversion (the adaptive policy's shadow drafts)."""
+        return self._propose(tokens, seq, max_tokens)
+
     def propose_tree(
         self, token_ids: Sequence[int], depth: int, topk: int, num_nodes: int
     ) -> DraftTree | None:
@@ -69,7 +74,7 @@ class NgramDrafter(Drafter):
         return self._propose_tree(np.asarray(token_ids, dtype=np.int64), depth, topk, num_nodes)
 
     def _propose(self, tokens: np.ndarray, seq: list[int], max_tokens: int) -> list[int]:
-        """`propose` over `tokens`, which `seq` equals (read by the Python extension)."""
+        """`propose` over `tokens`, which `seq` starts with (read by the Python extension, below len(tokens))."""
         size = len(tokens)
         if max_tokens <= 0 or size < self.min_match + 1:
             return []
