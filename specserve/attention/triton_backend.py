@@ -17,7 +17,9 @@ one token against 27.9 for cuBLAS with the separate kernels, and a batch-1 decod
 0.65 ms against 0.99. At 5-16 tokens they take the sizes a GPU sweep found fastest
 (`specserve_kernels.gemv_sizes`): 19-20 us a layer against 27.3, a batch-1 verify graph of 6-16
 tokens 0.89-0.92 ms against 1.02-1.04 (`scripts/bench_gemv.py`, `scripts/profile_verify.py`,
-docs/benchmarks.md). Larger steps stay on cuBLAS.
+docs/benchmarks.md). Larger steps stay on cuBLAS. The table holds SmolLM2-135M's shapes; another
+model's 5-16-token steps take the tile form's rule sizes, unmeasured against cuBLAS: sweep its
+shapes (`scripts/bench_gemv.py`) or set SPECSERVE_FUSED_LINEAR_TOKENS=4.
 
 Kernels run natively on CUDA. On the CPU the context calls each kernel's plain-torch reference
 instead, unless SPECSERVE_TRITON_CPU=1 asks for the kernels under the Triton interpreter (see
