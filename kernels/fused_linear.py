@@ -109,6 +109,53 @@ def _add_row(acc, idx, m: tl.constexpr, w, xm):
 
 
 @triton.jit
+def _gemv_chunk(
+    acc,
+    acc2,
+    w,
+    w2,
+    x_ptr,
+    x_rows,
+    ks,
+    k_ok,
+    row_ok,
+    row0,
+    M,
+    K,
+    eps,
+    rstd,
+    stride_xm,
+    norm_ptr,
+    NORM: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    ALL_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BOTH: tl.constexpr,
+):
+    """One K chunk of the GEMV form: acc += x @ w.T (and acc2 += x @ w2.T when BOTH: the up half of a
+    gated weight, or a head's second rotation half), x the rows' columns `ks`, normed as `_input_tile`
+    norms. Every row at once (ALL_ROWS: one [rows, n, k] product, one reduction) or a row at a time."""
+    if ALL_ROWS:
+        xs = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK).to(tl.float32)
+        acc += _dot_rows(xs, w)
+        if BOTH:
+            acc2 += _dot_rows(xs, w2)
+    else:
+        scale = 0.0
+        if NORM:
+            scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
+        idx = tl.arange(0, BLOCK_M)
+        x_first = x_ptr + row0.to(tl.int64) * stride_xm
+        for m in tl.static_range(BLOCK_M):
+            k_end = tl.where(row0 + m < M, K, 0)
+            xm = _input_row(x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK)
+            acc = _add_row(acc, idx, m, w, xm)
+            if BOTH:
+                acc2 = _add_row(acc2, idx, m, w2, xm)
+    return acc, acc2
+
+
+@triton.jit
 def _linear_epilogue(
     acc,
     acc_up,
@@ -238,8 +285,8 @@ def _fused_gemv_kernel(
     ALL_ROWS: tl.constexpr,
 ):
     """The GEMV form of `_fused_linear_kernel`: weight rows `cols` [BLOCK_N, BLOCK_K] are loaded once
-    per K chunk and every one of the BLOCK_M rows multiplies them in turn (no tl.dot: a 16-row tile
-    at 1-4 real rows would waste the tensor cores and, worse, the programs)."""
+    per K chunk and the BLOCK_M rows multiply them, in turn or all at once (`_gemv_chunk`; no tl.dot:
+    a 16-row tile at a few real rows would waste the tensor cores and, worse, the programs)."""
     idx = tl.arange(0, BLOCK_M)
     row0 = tl.program_id(1) * BLOCK_M
     rows = row0 + idx
@@ -251,7 +298,6 @@ def _fused_gemv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    x_first = x_ptr + row0.to(tl.int64) * stride_xm
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -261,23 +307,10 @@ def _fused_gemv_kernel(
         w_up = w
         if GATED:  # the up half of the stacked weight: rows N.. of W
             w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        scale = 0.0
-        if NORM:
-            scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
-        if ALL_ROWS:
-            xs = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK).to(tl.float32)
-            acc += _dot_rows(xs, w)
-            if GATED:
-                acc_up += _dot_rows(xs, w_up)
-        else:
-            for m in tl.static_range(BLOCK_M):
-                k_end = tl.where(row0 + m < M, K, 0)
-                xm = _input_row(
-                    x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK
-                )
-                acc = _add_row(acc, idx, m, w, xm)
-                if GATED:
-                    acc_up = _add_row(acc_up, idx, m, w_up, xm)
+        acc, acc_up = _gemv_chunk(
+            acc, acc_up, w, w_up, x_ptr, x_rows, ks, k_ok, row_ok, row0, M, K, eps, rstd, stride_xm,
+            norm_ptr, NORM, ONE_CHUNK, ALL_ROWS, BLOCK_M, GATED,
+        )  # fmt: skip
     _linear_epilogue(
         acc,
         acc_up,
@@ -663,7 +696,6 @@ def _qkv_gemv_kernel(
     hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_lo = w_ptr + (head * 2 * HALF + i).to(tl.int64)[:, None] * stride_wn
     w_hi = w_lo + HALF * stride_wn
-    x_first = x_ptr + row0.to(tl.int64) * stride_xm
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -671,21 +703,10 @@ def _qkv_gemv_kernel(
         w_mask = i_ok[:, None] & k_ok[None, :]
         wl = tl.load(w_lo + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
         wh = tl.load(w_hi + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        scale = 0.0
-        if NORM:
-            scale = tl.load(norm_ptr + ks, mask=k_ok, other=0.0)
-        if ALL_ROWS:
-            xs = _input_tile(x_rows, ks, row_ok, k_ok, K, eps, rstd, norm_ptr, NORM, ONE_CHUNK).to(tl.float32)
-            lo += _dot_rows(xs, wl)
-            hi += _dot_rows(xs, wh)
-        else:
-            for m in tl.static_range(BLOCK_M):
-                k_end = tl.where(row0 + m < M, K, 0)
-                xm = _input_row(
-                    x_first + m * stride_xm, ks, k_end, K, eps, rstd, idx, m, scale, NORM, ONE_CHUNK
-                )
-                lo = _add_row(lo, idx, m, wl, xm)
-                hi = _add_row(hi, idx, m, wh, xm)
+        lo, hi = _gemv_chunk(
+            lo, hi, wl, wh, x_ptr, x_rows, ks, k_ok, row_ok, row0, M, K, eps, rstd, stride_xm,
+            norm_ptr, NORM, ONE_CHUNK, ALL_ROWS, BLOCK_M, True,
+        )  # fmt: skip
     _qkv_epilogue(
         lo,
         hi,
