@@ -214,6 +214,10 @@ class SpeculativeConfig:
     draft_model: str | None = None
     # Adaptive speculation: None runs the shape above every step.
     adaptive: AdaptiveConfig | None = None
+    # Speculative steps queued back to back on the device between two reads of their tokens by the
+    # host (greedy n-gram chains: specserve/engine/device_loop.py); None: DEVICE_STEPS where the loop
+    # applies (CUDA graphs, TP size 1, no adaptive speculation), 0: never.
+    device_steps: int | None = None
 
     def validate(self) -> None:
         _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {list(SPEC_METHODS)}")
@@ -257,6 +261,17 @@ class SpeculativeConfig:
         )
         if self.adaptive is not None:
             self.adaptive.validate(self)
+        _require(
+            self.device_steps is None
+            or (isinstance(self.device_steps, int) and not isinstance(self.device_steps, bool) and 0 <= self.device_steps <= 64),
+            "speculative.device_steps",
+            "must be null or an integer in [0, 64]",
+        )
+        _require(
+            not self.device_steps or (self.method == "ngram" and self.topk == 1 and self.adaptive is None),
+            "speculative.device_steps",
+            "the device loop runs n-gram chains (method ngram, topk 1) without adaptive speculation",
+        )
 
     @property
     def draft_tokens(self) -> int:

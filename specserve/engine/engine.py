@@ -22,6 +22,7 @@ from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig, SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.cost_profile import profile_step_costs
+from specserve.engine.device_loop import loop_ready, make_device_loop
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
@@ -111,6 +112,12 @@ class Engine:
         if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
             chain, depth = _draft_depths(config.speculative)
             self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len)
+        self.device_loop, self._loop_steps = make_device_loop(
+            config.speculative if self.drafter is not None else None,
+            self.runner.graphs,
+            self.max_model_len,
+            self.tp.size == 1 and self.states is None,
+        )
         self._overlap = config.use_overlap() and self.drafter is None
         # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
         # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
@@ -216,6 +223,12 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.adaptive is not None:
             outputs.extend(self._choose_tier())
+        loop = self._loop_batch()
+        if loop is not None:
+            outputs.extend(self._run_loop(*loop))
+            stats.stop_clock()
+            self._end_step(outputs)
+            return outputs
         self._propose_drafts()
         stats.lap("draft" if self.drafter is not None else None)
         items = self.scheduler.schedule(stats)
@@ -534,6 +547,63 @@ class Engine:
             self.drafter.draft_tree(reqs, budgets, shape.topk, shape.num_draft_tokens)
         elif reqs:
             self.drafter.draft(reqs, budgets)
+
+    def _loop_batch(self) -> tuple[list[Request], list[int], int] | None:
+        """When the device loop runs this step (`specserve/engine/device_loop.py`): every running
+        request ready for it, none waiting, pages held for every position it may reach. Then the
+        requests, their limits and the steps to queue."""
+        loop, reqs = self.device_loop, self.scheduler.running
+        if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
+            return None
+        if not all(loop_ready(req) for req in reqs):
+            return None
+        limits = [max(loop.limit(req, self.max_model_len), len(req.token_ids)) for req in reqs]
+        left = max(limit - len(req.token_ids) for req, limit in zip(reqs, limits, strict=True))
+        steps = min(self._loop_steps, left)
+        if steps <= 0:
+            return None
+        for req, limit in zip(reqs, limits, strict=True):
+            if not self.kv.reserve(req, loop.reach(req, limit, steps)):
+                for held in reqs:  # the scheduler's step (and its retraction) takes over
+                    self.kv.trim(held, len(held.token_ids))
+                return None
+        return list(reqs), limits, steps
+
+    def _run_loop(self, reqs: list[Request], limits: list[int], steps: int) -> list[RequestOutput]:
+        """The device loop's steps, then each request's tokens appended as its synchronous verifies
+        would have, step by step, up to the first that ends it."""
+        stats = self._stats
+        records = self.device_loop.launch(reqs, limits, [sorted(_stop_ids(r)) for r in reqs], steps)
+        self._while_device_works()
+        result = self.device_loop.collect(records)
+        stats.lap("target")
+        outputs = []
+        for index, req in enumerate(reqs):
+            delta: list[int] = []
+            reason = None
+            for step in range(steps):
+                tokens = result.emitted(step, index)
+                if not tokens:
+                    break
+                req.num_computed = len(req.token_ids) + len(tokens) - 1
+                self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1)
+                reason, added = self._append(req, tokens, None)
+                delta += added
+                if reason is not None:
+                    break
+            if reason is not None:
+                self.kv.commit(req, self._cacheable(req))
+                self._finish(req, reason)
+            else:
+                self.kv.commit_later(req, self._cacheable(req))
+                self.kv.trim(req, len(req.token_ids))
+                if not req.stream:
+                    self._unread_texts.append(self._texts[req.request_id])
+            out = self._emit(req, delta) if delta else None
+            if out is not None:
+                outputs.append(out)
+        stats.lap("postprocess")
+        return outputs
 
     def _draft_room(self, req: Request) -> int:
         """Drafts a request may take: a step emits up to drafts + 1 tokens, within its limits."""

@@ -138,6 +138,7 @@ class CudaGraphs:
             for b, q in buckets.shapes()
         }
         self.captured = device.type == "cuda"
+        self.pool = None  # the graphs' memory pool (later captures over these buckets share it)
         if self.captured:
             self._capture_all()
 
@@ -156,13 +157,21 @@ class CudaGraphs:
             graph.mask.copy_(a.custom_mask if a.custom_mask is not None else graph.causal)
         if future is not None:
             resolve_future_ids(graph.ids, future)
-        if self.captured:
-            graph.graph.replay()
-            hidden, aux, logits = graph.outputs
-        else:
-            hidden, aux, logits = self._forward(graph)
+        hidden, aux, logits = self.replay(graph)
         rows = step.logit_rows.shape[0]
         return hidden[:rows], None if aux is None else aux[:rows], logits[:rows]
+
+    def replay(self, graph: _Graph) -> Outputs:
+        """A bucket's forward over what its static inputs (and the page table) hold now: the caller
+        wrote them (`run`, or the device loop on the device); outputs of every padded row."""
+        if self.captured:
+            graph.graph.replay()
+            return graph.outputs
+        return self._forward(graph)
+
+    def forward(self, graph: _Graph) -> Outputs:
+        """A bucket's forward run (or captured, inside a caller's capture) over its static inputs."""
+        return self._forward(graph)
 
     def _forward(self, graph: _Graph) -> Outputs:
         ctx = self.backend.prepare(graph.attention, self.kv_cache)
@@ -176,6 +185,7 @@ class CudaGraphs:
             graph = self.graphs[key]
             graph.graph, graph.outputs = capture(lambda graph=graph: self._forward(graph), pool)
             pool = graph.graph.pool()
+        self.pool = pool
         torch.cuda.synchronize()
 
 

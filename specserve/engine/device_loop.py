@@ -1,0 +1,251 @@
+"""Speculative steps queued back to back on the device: n-gram chains of greedy requests.
+
+A speculative step's host work (read the verify's tokens, look up the next draft, build and copy the
+next input) sits between two forwards, so at batch 1 the GPU idles for most of a step: a verify of
+0.9 ms took 1.5-1.8 ms of wall time. For greedy requests nothing of a step needs the host: the
+accept test is an argmax comparison, the next draft an n-gram lookup over tokens that can stay on
+the device (`specserve/spec/ngram_device.py`), and the next input's ids, positions and KV slots
+follow from the accepted counts. So `DeviceLoop.launch` queues `iterations` whole steps, each
+[draft lookup, the verify bucket's CUDA-graph replay, accept, append], and the host reads every
+step's tokens with one copy at the end.
+
+Per iteration and request (the verify bucket's static inputs written on the device):
+- the input: the last token and `num_steps` draft tokens at positions len - 1 ... len - 1 + k, their
+  slots from the request's page table (pages for every position the loop can reach were reserved
+  by the caller beforehand);
+- the accept test: leading drafts equal to the argmax of their rows (drafts past the lookup's
+  match count as misses), then the argmax of the first rejected row: exactly the tokens the
+  synchronous greedy verify emits, as the same forward computes them;
+- the append: at most `limits[b] - len` tokens (the request's own length limit, capped so every
+  position stays inside the graph's context), cut after a stop id (the host's finish check still
+  runs on every token, stop strings included, and cuts the same place or earlier); a request that
+  reached its limit or a stop id turns inactive: its rows still run (fixed shapes) but write their
+  KV to the dummy slot and append nothing.
+Tokens past a stop only cost the loop's remaining iterations; the caller picks `iterations` no
+larger than the most tokens any request may still emit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.host_copy import to_device
+from specserve.engine.request import Request
+from specserve.executor.cuda_graphs import CudaGraphs, capture
+from specserve.spec.ngram_device import ngram_chain_drafts
+
+# Steps a run queues where `speculative.device_steps` is null (SPECSERVE_DEVICE_STEPS: another
+# default, e.g. 0 to bench without the loop). More steps a run: fewer host reads, but new requests
+# wait longer to be admitted and streams get their tokens in larger bursts.
+DEVICE_STEPS = int(os.environ.get("SPECSERVE_DEVICE_STEPS", "8"))
+# Stop ids a request may have and still run in the loop (EOS ids and `stop_token_ids` together).
+MAX_STOPS = 8
+
+
+@dataclass(frozen=True)
+class LoopOutput:
+    """Per iteration and request (host arrays): the tokens its verify produced (argmax of each
+    row), how many of them the request takes, and the real drafts it verified (0 once inactive)."""
+
+    tokens: np.ndarray  # [N, B, k + 1]
+    counts: np.ndarray  # [N, B]
+    drafted: np.ndarray  # [N, B]
+
+    def emitted(self, step: int, index: int) -> list[int]:
+        return self.tokens[step, index, : self.counts[step, index]].tolist()
+
+
+class DeviceLoop:
+    """Greedy n-gram chains of `num_steps` drafts, verified in the (batch, num_steps + 1) buckets of
+    `graphs`. Its state (histories, lengths, limits, stop ids) lives in static buffers as wide as
+    the largest bucket; on CUDA one iteration, glue and forward, is captured per batch bucket (at
+    construction, over inactive rows, so the capture run changes nothing)."""
+
+    def __init__(
+        self, graphs: CudaGraphs, num_steps: int, min_match: int, max_match: int, max_context: int
+    ) -> None:
+        self.graphs, self.num_steps = graphs, num_steps
+        self.min_match, self.max_match = min_match, max_match
+        self.max_context = max_context
+        self.query_len = num_steps + 1
+        self.batch_sizes = tuple(
+            b for b in graphs.buckets.batch_sizes if (b, self.query_len) in graphs.graphs
+        )
+        device = graphs.page_table.device
+        batch = max(self.batch_sizes, default=0)
+        self.page_size = graphs.kv_cache.page_size
+        # Room for the last append past a request's limit: writes never go out of the row.
+        self.hist = torch.zeros(batch, max_context + self.query_len, dtype=torch.int64, device=device)
+        self.lengths = torch.ones(batch, dtype=torch.int64, device=device)
+        self.limits = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
+        self.records = torch.zeros(batch, self.query_len + 2, dtype=torch.int64, device=device)
+        self.steps = torch.arange(self.query_len, device=device)
+        self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if graphs.captured and self.batch_sizes:
+            self._capture_all()
+
+    @property
+    def max_batch(self) -> int:
+        return max(self.batch_sizes, default=0)
+
+    def limit(self, req: Request, max_model_len: int) -> int:
+        """Tokens the request may reach in the loop: its own limits, and a verify's last position
+        inside the graphs' context."""
+        own = len(req.token_ids) + min(
+            req.params.max_new_tokens - req.num_output, max_model_len - len(req.token_ids)
+        )
+        return min(own, self.max_context - self.num_steps + 1)
+
+    def reach(self, req: Request, limit: int, iterations: int) -> int:
+        """Token slots the loop may write KV to: up to the last verify's last position."""
+        return min(limit - 1, len(req.token_ids) + (iterations - 1) * self.query_len) + self.num_steps
+
+    def launch(
+        self, reqs: list[Request], limits: list[int], stop_ids: list[list[int]], iterations: int
+    ) -> torch.Tensor:
+        """Queue `iterations` speculative steps of `reqs` (pages reserved up to `reach`, every
+        request `loop_ready`); `stop_ids`: per request, the ids that end it (at most MAX_STOPS).
+        Returns the steps' records on the device, for `collect`; the host waits for nothing."""
+        n = len(reqs)
+        batch = next(b for b in self.batch_sizes if b >= n)
+        self._setup(reqs, limits, stop_ids, batch)
+        out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
+        graph = self.loop_graphs.get(batch)
+        for step in range(iterations):
+            if graph is not None:
+                graph.replay()
+            else:
+                self._iteration(batch)
+            out[step].copy_(self.records[:batch])
+        return out[:, :n]
+
+    def collect(self, records: torch.Tensor) -> LoopOutput:
+        """The records of a launch on the host (the one wait for the device)."""
+        host = records.cpu().numpy()
+        k = self.query_len
+        return LoopOutput(host[:, :, :k], host[:, :, k], host[:, :, k + 1])
+
+    def _capture_all(self) -> None:
+        pool = self.graphs.pool
+        for batch in sorted(self.batch_sizes, reverse=True):
+            self.lengths.fill_(1)
+            self.limits.zero_()  # every row inactive: the warm-up and capture runs append nothing
+            graph, _ = capture(lambda batch=batch: self._iteration(batch), pool)
+            self.loop_graphs[batch] = graph
+            pool = graph.pool()
+        torch.cuda.synchronize()
+
+    def _iteration(self, batch: int) -> None:
+        """One speculative step of the first `batch` rows, all on the device: draft, input, forward,
+        accept; its record in `records`."""
+        hist, lengths, limits = self.hist[:batch], self.lengths[:batch], self.limits[:batch]
+        graph = self.graphs.graphs[(batch, self.query_len)]
+        drafts, valid = ngram_chain_drafts(hist, lengths, self.num_steps, self.min_match, self.max_match)
+        active = lengths < limits
+        self._write_input(graph, hist, lengths, drafts, active)
+        logits = self.graphs.forward(graph)[2]
+        self._accept(logits, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
+
+    def _setup(self, reqs, limits, stop_ids, batch: int) -> None:
+        """One host-to-device copy: the histories' known tokens, lengths, limits, page-table rows and
+        stop ids; the bucket's query starts (every row num_steps + 1 tokens). Pad rows: length 1,
+        limit 0 (inactive). Columns past a row's length keep older tokens: nothing reads them."""
+        n, k = len(reqs), self.query_len
+        width = max(len(r.token_ids) for r in reqs)
+        pages = self.graphs.page_table.shape[1]
+        hist = np.zeros((batch, width), dtype=np.int64)
+        table = np.zeros((batch, pages), dtype=np.int64)
+        stops = np.full((batch, MAX_STOPS), -1, dtype=np.int64)
+        lengths, limits_np = np.ones(batch, dtype=np.int64), np.zeros(batch, dtype=np.int64)
+        for b, req in enumerate(reqs):
+            size = len(req.token_ids)
+            hist[b, :size] = req.token_mirror.first(req.token_ids, size)
+            table[b, : len(req.pages)] = req.pages
+            stops[b, : len(stop_ids[b])] = stop_ids[b]
+        lengths[:n] = [len(r.token_ids) for r in reqs]
+        limits_np[:n] = limits
+        query_start = np.arange(batch + 1, dtype=np.int64) * k
+        flat = np.concatenate([hist.ravel(), table.ravel(), stops.ravel(), lengths, limits_np, query_start])
+        packed = to_device(torch.from_numpy(flat), self.hist.device)
+        parts = packed.split([batch * width, batch * pages, batch * MAX_STOPS, batch, batch, batch + 1])
+        self.hist[:batch, :width].copy_(parts[0].view(batch, width))
+        self.graphs.page_table[:batch].copy_(parts[1].view(batch, pages))
+        self.stops[:batch].copy_(parts[2].view(batch, MAX_STOPS))
+        self.lengths[:batch].copy_(parts[3])
+        self.limits[:batch].copy_(parts[4])
+        self.graphs.graphs[(batch, k)].attention.query_start.copy_(parts[5])
+
+    def _write_input(self, graph, hist, lengths, drafts, active) -> None:
+        """The verify bucket's ids, positions, slots and seq lens; inactive rows (done, or pads) sit
+        at positions 0 ... k over the dummy slot."""
+        start = torch.where(active, lengths - 1, 0).unsqueeze(1)
+        positions = start + self.steps
+        last = hist.gather(1, (lengths - 1).unsqueeze(1))
+        graph.ids.view(-1, self.query_len).copy_(torch.cat([last, drafts], dim=1))
+        graph.positions.view(-1, self.query_len).copy_(positions)
+        ps = self.page_size
+        table = self.graphs.page_table[: hist.shape[0]]
+        slots = table.gather(1, positions // ps) * ps + positions % ps
+        graph.attention.slot_mapping.view(-1, self.query_len).copy_(torch.where(active.unsqueeze(1), slots, 0))
+        graph.attention.seq_lens.copy_(start.squeeze(1) + self.query_len)
+
+    def _accept(self, logits, drafts, valid, hist, lengths, limits, stops, out) -> None:
+        """Greedy chain acceptance of every row, the append into the histories, and this step's
+        record `out` [B, k + 3]: the argmax tokens, the count taken, the drafts verified."""
+        k = self.num_steps
+        target = logits.argmax(dim=-1).view(-1, self.query_len)
+        match = (drafts == target[:, :k]) & valid
+        taken = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1) + 1
+        room = (limits - lengths).clamp(min=0)
+        taken = torch.minimum(taken, room)
+        within = self.steps.unsqueeze(0) < taken.unsqueeze(1)
+        hit = (target.unsqueeze(2) == stops.unsqueeze(1)).any(dim=2) & within
+        stopped = hit.any(dim=1)
+        taken = torch.where(stopped, hit.to(torch.int64).argmax(dim=1) + 1, taken)
+        within = self.steps.unsqueeze(0) < taken.unsqueeze(1)
+        index = lengths.unsqueeze(1) + self.steps
+        hist.scatter_(1, index, torch.where(within, target, hist.gather(1, index)))
+        drafted = torch.minimum(valid.sum(dim=1), (room - 1).clamp(min=0))
+        out.copy_(torch.cat([target, taken.unsqueeze(1), torch.where(room > 0, drafted, 0).unsqueeze(1)], dim=1))
+        lengths.add_(taken)
+        limits.copy_(torch.where(stopped, 0, limits))
+
+
+def make_device_loop(
+    spec: SpeculativeConfig | None, graphs: CudaGraphs | None, max_context: int, single_rank: bool
+) -> tuple[DeviceLoop | None, int]:
+    """The engine's loop and its steps a run; (None, 0) where it does not apply. `single_rank`: TP
+    size 1 and a plain decoder (followers replay only what rank 0 broadcasts; a hybrid's states
+    commit per verify on the host)."""
+    if spec is None:
+        return None, 0
+    applies = spec.method == "ngram" and spec.topk == 1 and spec.adaptive is None
+    steps = spec.device_steps if spec.device_steps is not None else (DEVICE_STEPS if applies else 0)
+    if steps <= 0:
+        return None, 0
+    if graphs is None or not single_rank:
+        if spec.device_steps is not None:
+            raise ValueError("speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 and a decoder without recurrent layers")
+        return None, 0
+    loop = DeviceLoop(graphs, spec.num_steps, spec.ngram_min_match, spec.ngram_max_match, max_context)
+    return (loop, steps) if loop.batch_sizes else (None, 0)
+
+
+def loop_ready(req: Request) -> bool:
+    """A request the loop can run now: decoding, greedy, nothing in flight, no logprobs to record,
+    past min_new_tokens (whose bans the loop does not apply)."""
+    p = req.params
+    return (
+        req.decoding
+        and req.greedy
+        and not req.num_pending
+        and not p.return_logprob
+        and req.num_output >= p.min_new_tokens
+        and len(p.stop_token_ids) + (0 if p.ignore_eos else len(req.eos_token_ids)) <= MAX_STOPS
+    )

@@ -1,0 +1,177 @@
+"""The device loop (`specserve/engine/device_loop.py`): greedy n-gram chains queued back to back.
+
+On the CPU the loop runs the verify bucket's static buffers eagerly (no capture), the same code
+that replays graphs on a GPU. Its tokens must be exactly plain greedy decoding's, through length
+limits, stop ids, EOS and stop strings, a batch that shrinks, requests that arrive mid-run and
+requests the loop cannot take (sampling, logprobs); its verifies must be counted as the
+synchronous path counts them; the KV accounting check runs after every test (conftest).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.config import SpeculativeConfig
+from specserve.engine.device_loop import DeviceLoop
+
+LOOP = {"method": "ngram", "num_steps": 4, "device_steps": 4}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Steps each device-loop launch queued."""
+    calls: list[int] = []
+    original = DeviceLoop.launch
+
+    def counting(self, reqs, limits, stop_ids, iterations):
+        calls.append(iterations)
+        return original(self, reqs, limits, stop_ids, iterations)
+
+    monkeypatch.setattr(DeviceLoop, "launch", counting)
+    return calls
+
+
+def _llm(target, speculative=None, **kwargs) -> LLM:
+    return LLM(
+        target,
+        device="cpu",
+        dtype="float32",
+        page_size=kwargs.pop("page_size", 4),
+        max_total_tokens=4096,
+        attention_backend="triton",
+        cuda_graphs=True,
+        cuda_graph_max_batch=4,
+        speculative=speculative,
+        **kwargs,
+    )
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[10 + (i % rng.randrange(2, 6)) for i in range(rng.randrange(6, 30))] for _ in range(count)]
+
+
+def test_greedy_equals_plain(small_vocab_target, launches):
+    prompts = _prompts(4)
+    params = [SamplingParams(max_new_tokens=9 + 7 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    looped = _llm(small_vocab_target, LOOP).generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    assert launches and max(launches) == 4
+    for o, p in zip(looped, params, strict=True):
+        assert len(o.token_ids) == p.max_new_tokens
+        hist = o.meta["spec_accept_histogram"]
+        assert sum(hist) == o.meta["spec_verify_ct"]
+        assert sum(n * c for n, c in enumerate(hist)) == o.meta["spec_accepted_tokens"]
+    accepted = sum(o.meta["spec_accepted_tokens"] for o in looped)
+    assert accepted > 0, "the tiny model's repetitive outputs should accept drafts"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_stops_match_plain(small_vocab_target, launches, page_size):
+    """Stop ids, EOS and stop strings end each request where plain decoding ends it, wherever they
+    fall in a loop's steps; a lone request and a batch alike."""
+    prompts = _prompts(3, seed=3)
+    plain_llm = _llm(small_vocab_target, page_size=page_size)
+    free = plain_llm.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    params = []
+    for i, out in enumerate(free):
+        stop_at = out.token_ids[5 + 4 * i]  # a token the answer produces, so the request stops early
+        params.append(SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[stop_at]))
+    text = free[0].text
+    params[0] = SamplingParams(max_new_tokens=40, temperature=0.0, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
+    plain = plain_llm.generate(prompts, params)
+    llm = _llm(small_vocab_target, LOOP, page_size=page_size)
+    looped = llm.generate(prompts, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in looped] == [
+        (o.token_ids, o.text, o.finish_reason) for o in plain
+    ]
+    alone = llm.generate(prompts[1:2], params[1:2])[0]
+    assert alone.token_ids == plain[1].token_ids
+    assert launches
+
+
+def test_requests_it_cannot_take_fall_back(small_vocab_target, launches):
+    """A sampling request or one asking for logprobs in the batch: the synchronous path runs."""
+    prompts = _prompts(2, seed=5)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for other in (
+        SamplingParams(max_new_tokens=12, temperature=0.8, seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True),
+    ):
+        plain = _llm(small_vocab_target).generate(prompts, [greedy, other])
+        looped = _llm(small_vocab_target, LOOP).generate(prompts, [greedy, other])
+        assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    assert not launches
+
+
+def test_arrivals_between_runs(small_vocab_target, launches):
+    """A request added while others decode waits at most one run, then joins; tokens unchanged."""
+    prompts = _prompts(3, seed=7)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    reference = _llm(small_vocab_target).generate(prompts, params)
+    engine = _llm(small_vocab_target, LOOP).engine
+    engine.add_request(prompts[0], params, request_id="a")
+    finished = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 3:
+            engine.add_request(prompts[1], params, request_id="b")
+            engine.add_request(prompts[2], params, request_id="c")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    assert [finished[r] for r in "abc"] == [o.token_ids for o in reference]
+    assert len(launches) >= 3
+
+
+def test_context_end(small_vocab_target, launches):
+    """Requests that reach max_model_len: the loop stops them (or leaves them to the synchronous
+    path) where plain decoding does."""
+    prompts = _prompts(2, seed=9)
+    params = SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True)
+    plain = _llm(small_vocab_target, max_model_len=48).generate(prompts, params)
+    looped = _llm(small_vocab_target, LOOP, max_model_len=48).generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    assert all(o.finish_reason == "length" for o in looped)
+    assert all(len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, looped, strict=True))
+    assert launches
+
+
+def test_settings():
+    with pytest.raises(ValueError, match="speculative.device_steps"):
+        SpeculativeConfig(method="ngram", num_steps=4, topk=2, device_steps=4).validate()
+    with pytest.raises(ValueError, match="speculative.device_steps"):
+        SpeculativeConfig(method="ngram", device_steps=-1).validate()
+    SpeculativeConfig(method="ngram", device_steps=0, topk=2).validate()
+
+
+def test_needs_graphs(small_vocab_target):
+    with pytest.raises(ValueError, match="speculative.device_steps"):
+        LLM(small_vocab_target, device="cpu", dtype="float32", cuda_graphs=False, speculative=LOOP)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launches):
+    """On a GPU, SmolLM2 in fp32 (bf16 would let the verify bucket's kernels and the decode step's
+    round differently and flip near-ties): the captured loop emits plain greedy decoding's tokens,
+    batch 1 and 5."""
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
+    params = SamplingParams(max_new_tokens=96, temperature=0.0)
+    prompts = mtbench_questions[:5]
+    plain = LLM(str(smollm2_gguf), **common)
+    want = plain.generate(prompts, params)
+    del plain
+    looped = LLM(str(smollm2_gguf), speculative={"method": "ngram", "num_steps": 5, "device_steps": 8}, **common)
+    assert looped.engine.device_loop.loop_graphs, "captured per batch bucket"
+    got = looped.generate(prompts, params)
+    got_one = looped.generate(prompts[:1], params)[0]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got_one.token_ids == want[0].token_ids
+    assert launches
