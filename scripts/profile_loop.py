@@ -10,6 +10,7 @@ LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replay
     LOOP_BATCHES=1,16 LOOP_STEPS=5,8 python3 -P scripts/profile_loop.py
 """
 
+import gc
 import os
 import time
 
@@ -59,7 +60,7 @@ def main() -> None:
     for steps in STEPS:
         for batch in BATCHES:
             llm = LLM(loaded, speculative={"method": "ngram", "num_steps": steps, "device_steps": 8},
-                      cuda_graph_max_batch=max(BATCHES))
+                      cuda_graph_max_batch=max(BATCHES), max_total_tokens=1 << 17)
             engine = llm.engine
             loop = engine.device_loop
             bucket = next(b for b in loop.batch_sizes if b >= batch)
@@ -86,7 +87,8 @@ def main() -> None:
             per_iter = wall / max(1, sum(launches)) * 1e6
             print(f"| {batch} | {steps} | {verify:.0f} | {iteration:.0f} | {iteration - verify:.0f} | "
                   f"{per_iter:.0f} | {tokens / max(1, verifies):.2f} | {tokens / wall:,.0f} |")
-            del llm, engine, loop
+            del llm, engine, loop, original, counting
+            gc.collect()
             torch.cuda.empty_cache()
 
 

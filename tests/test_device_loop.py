@@ -23,13 +23,13 @@ LOOP = {"method": "ngram", "num_steps": 4, "device_steps": 4}
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Steps each device-loop launch queued."""
+    """Steps each device-loop launch queued (negative: resumed on the run before, on the device)."""
     calls: list[int] = []
     original = DeviceLoop.launch
 
-    def counting(self, reqs, limits, stop_ids, iterations):
-        calls.append(iterations)
-        return original(self, reqs, limits, stop_ids, iterations)
+    def counting(self, reqs, limits, stop_ids, iterations, resume=False):
+        calls.append(-iterations if resume else iterations)  # negative: a run chained on one in flight
+        return original(self, reqs, limits, stop_ids, iterations, resume)
 
     monkeypatch.setattr(DeviceLoop, "launch", counting)
     return calls
@@ -61,7 +61,7 @@ def test_greedy_equals_plain(small_vocab_target, launches):
     plain = _llm(small_vocab_target).generate(prompts, params)
     looped = _llm(small_vocab_target, LOOP).generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
-    assert launches and max(launches) == 4
+    assert max(launches) == 4 and min(launches) < 0, "fresh runs and runs chained on them"
     for o, p in zip(looped, params, strict=True):
         assert len(o.token_ids) == p.max_new_tokens
         hist = o.meta["spec_accept_histogram"]
@@ -128,6 +128,28 @@ def test_arrivals_between_runs(small_vocab_target, launches):
                 finished[out.request_id] = out.token_ids
     assert [finished[r] for r in "abc"] == [o.token_ids for o in reference]
     assert len(launches) >= 3
+
+
+def test_abort_while_in_flight(small_vocab_target, launches):
+    """A request aborted while a run of it is in flight: the others go on unchanged."""
+    prompts = _prompts(3, seed=11)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    reference = _llm(small_vocab_target).generate(prompts, params)
+    engine = _llm(small_vocab_target, LOOP).engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    finished = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if steps == 4:
+            assert engine._loop_flight is not None, "a run in flight"
+            assert engine.abort("1")
+    assert finished["1"].finish_reason == "abort"
+    assert [finished[i].token_ids for i in "02"] == [reference[0].token_ids, reference[2].token_ids]
 
 
 def test_context_end(small_vocab_target, launches):

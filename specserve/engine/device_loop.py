@@ -27,6 +27,7 @@ larger than the most tokens any request may still emit.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -60,6 +61,15 @@ class LoopOutput:
         return self.tokens[step, index, : self.counts[step, index]].tolist()
 
 
+@dataclass(frozen=True)
+class LoopRecords:
+    """A launch's records copying to the host: `host` is valid once `done` has passed (None: on
+    the CPU, at once)."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 class DeviceLoop:
     """Greedy n-gram chains of `num_steps` drafts, verified in the (batch, num_steps + 1) buckets of
     `graphs`. Its state (histories, lengths, limits, stop ids) lives in static buffers as wide as
@@ -87,6 +97,8 @@ class DeviceLoop:
         self.records = torch.zeros(batch, self.query_len + 2, dtype=torch.int64, device=device)
         self.steps = torch.arange(self.query_len, device=device)
         self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pinned: list[torch.Tensor | None] = [None] * 3
+        self._next_pinned = 0
         if graphs.captured and self.batch_sizes:
             self._capture_all()
 
@@ -102,19 +114,31 @@ class DeviceLoop:
         )
         return min(own, self.max_context - self.num_steps + 1)
 
-    def reach(self, req: Request, limit: int, iterations: int) -> int:
-        """Token slots the loop may write KV to: up to the last verify's last position."""
-        return min(limit - 1, len(req.token_ids) + (iterations - 1) * self.query_len) + self.num_steps
+    def reach(self, req: Request, limit: int, iterations: int, ahead: int = 0) -> int:
+        """Token slots a run of `iterations` may write KV to (up to its last verify's last
+        position), starting `ahead` iterations past the request's known tokens (a run in flight)."""
+        start = min(limit, len(req.token_ids) + ahead * self.query_len)
+        return min(limit - 1, start + (iterations - 1) * self.query_len) + self.num_steps
 
     def launch(
-        self, reqs: list[Request], limits: list[int], stop_ids: list[list[int]], iterations: int
-    ) -> torch.Tensor:
+        self,
+        reqs: list[Request],
+        limits: list[int],
+        stop_ids: list[list[int]],
+        iterations: int,
+        resume: bool = False,
+    ) -> LoopRecords:
         """Queue `iterations` speculative steps of `reqs` (pages reserved up to `reach`, every
         request `loop_ready`); `stop_ids`: per request, the ids that end it (at most MAX_STOPS).
-        Returns the steps' records on the device, for `collect`; the host waits for nothing."""
+        `resume`: the same requests go on from where the run before left them on the device (only
+        their page tables are copied again: pages reserved since). The host waits for nothing:
+        the records copy to the host behind the steps, for `collect`."""
         n = len(reqs)
         batch = next(b for b in self.batch_sizes if b >= n)
-        self._setup(reqs, limits, stop_ids, batch)
+        if resume:
+            self._copy_pages(reqs, batch)
+        else:
+            self._setup(reqs, limits, stop_ids, batch)
         out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
         graph = self.loop_graphs.get(batch)
         for step in range(iterations):
@@ -123,13 +147,32 @@ class DeviceLoop:
             else:
                 self._iteration(batch)
             out[step].copy_(self.records[:batch])
-        return out[:, :n]
+        return self._to_host(out[:, :n])
 
-    def collect(self, records: torch.Tensor) -> LoopOutput:
-        """The records of a launch on the host (the one wait for the device)."""
-        host = records.cpu().numpy()
+    def collect(self, records: LoopRecords) -> LoopOutput:
+        """A launch's records on the host (the one wait for the device, for that launch's steps
+        only: a launch queued behind it keeps running)."""
+        if records.done is not None:
+            records.done.synchronize()
+        host = records.host.numpy()
         k = self.query_len
         return LoopOutput(host[:, :, :k], host[:, :, k], host[:, :, k + 1])
+
+    def _to_host(self, out: torch.Tensor) -> LoopRecords:
+        """An asynchronous copy into the next of a few page-locked buffers (a run in flight and one
+        being collected hold two; pinning per copy would cost the host ~0.1 ms a launch)."""
+        if out.device.type != "cuda":
+            return LoopRecords(out.clone(), None)
+        slot = self._next_pinned
+        self._next_pinned = (slot + 1) % len(self._pinned)
+        buffer = self._pinned[slot]
+        if buffer is None or buffer.numel() < out.numel():
+            buffer = self._pinned[slot] = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
+        host = buffer[: out.numel()].view(out.shape)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LoopRecords(host, done)
 
     def _capture_all(self) -> None:
         pool = self.graphs.pool
@@ -151,6 +194,13 @@ class DeviceLoop:
         self._write_input(graph, hist, lengths, drafts, active)
         logits = self.graphs.forward(graph)[2]
         self._accept(logits, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
+
+    def _copy_pages(self, reqs: list[Request], batch: int) -> None:
+        pages = self.graphs.page_table.shape[1]
+        table = np.zeros((batch, pages), dtype=np.int64)
+        for b, req in enumerate(reqs):
+            table[b, : len(req.pages)] = req.pages
+        self.graphs.page_table[:batch].copy_(to_device(torch.from_numpy(table), self.hist.device))
 
     def _setup(self, reqs, limits, stop_ids, batch: int) -> None:
         """One host-to-device copy: the histories' known tokens, lengths, limits, page-table rows and
@@ -215,6 +265,27 @@ class DeviceLoop:
         out.copy_(torch.cat([target, taken.unsqueeze(1), torch.where(room > 0, drafted, 0).unsqueeze(1)], dim=1))
         lengths.add_(taken)
         limits.copy_(torch.where(stopped, 0, limits))
+
+
+@dataclass(frozen=True)
+class LoopFlight:
+    """A launched run the host has not read yet."""
+
+    reqs: list[Request]
+    limits: list[int]
+    steps: int
+    records: LoopRecords
+
+
+def plan_steps(lengths: list[int], limits: list[int], ahead: int, rate: float, most: int) -> int:
+    """Steps a run takes: enough for the request furthest from its limit at `rate` tokens a step,
+    counting `ahead` steps still in flight, at most `most` (0: the run in flight likely ends them
+    all). A low guess costs one more run; a high one, steps over finished rows."""
+    need = 0
+    for length, limit in zip(lengths, limits, strict=True):
+        expected = min(limit, length + ahead * rate)
+        need = max(need, math.ceil((limit - expected) / rate))
+    return min(most, need)
 
 
 def make_device_loop(

@@ -22,7 +22,7 @@ from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig, SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.cost_profile import profile_step_costs
-from specserve.engine.device_loop import loop_ready, make_device_loop
+from specserve.engine.device_loop import LoopFlight, LoopOutput, loop_ready, make_device_loop, plan_steps
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
@@ -118,6 +118,8 @@ class Engine:
             self.max_model_len,
             self.tp.size == 1 and self.states is None,
         )
+        self._loop_flight: LoopFlight | None = None
+        self._loop_rate = 1.0  # tokens a loop step gives an active request, lately
         self._overlap = config.use_overlap() and self.drafter is None
         # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
         # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
@@ -211,7 +213,7 @@ class Engine:
         return request_id in self._requests
 
     def has_unfinished(self) -> bool:
-        busy = self._inflight is not None or self._failure is not None
+        busy = self._inflight is not None or self._failure is not None or self._loop_flight is not None
         return self.scheduler.has_work() or bool(self._pending) or busy
 
     def step(self) -> list[RequestOutput]:
@@ -223,9 +225,9 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.adaptive is not None:
             outputs.extend(self._choose_tier())
-        loop = self._loop_batch()
-        if loop is not None:
-            outputs.extend(self._run_loop(*loop))
+        looped = self._loop_step() if self.device_loop is not None else None
+        if looped is not None:
+            outputs.extend(looped)
             stats.stop_clock()
             self._end_step(outputs)
             return outputs
@@ -548,62 +550,88 @@ class Engine:
         elif reqs:
             self.drafter.draft(reqs, budgets)
 
-    def _loop_batch(self) -> tuple[list[Request], list[int], int] | None:
-        """When the device loop runs this step (`specserve/engine/device_loop.py`): every running
-        request ready for it, none waiting, pages held for every position it may reach. Then the
-        requests, their limits and the steps to queue."""
+    # ---- the device loop (specserve/engine/device_loop.py) ---------------------------------
+
+    def _loop_step(self) -> list[RequestOutput] | None:
+        """Launch the next run (on top of the one in flight when the batch is the same), then read
+        and append the one in flight while the device works on the next. None: no run in flight
+        and none launched; the synchronous path takes this step."""
+        flight, self._loop_flight = self._loop_flight, None
+        self._loop_flight = self._loop_launch(flight)
+        if flight is None:
+            return None if self._loop_flight is None else []
+        self._while_device_works()
+        return self._loop_settle(flight, chained=self._loop_flight is not None)
+
+    def _loop_launch(self, flight: LoopFlight | None) -> LoopFlight | None:
+        """A run over every running request when all are ready for the loop and none waits, with
+        pages for every position it may reach; None otherwise."""
         loop, reqs = self.device_loop, self.scheduler.running
-        if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
+        if self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
             return None
-        if not all(loop_ready(req) for req in reqs):
+        if (flight is not None and reqs != flight.reqs) or not all(loop_ready(r) for r in reqs):
             return None
-        limits = [max(loop.limit(req, self.max_model_len), len(req.token_ids)) for req in reqs]
-        left = max(limit - len(req.token_ids) for req, limit in zip(reqs, limits, strict=True))
-        steps = min(self._loop_steps, left)
+        if flight is None:
+            limits = [max(loop.limit(r, self.max_model_len), len(r.token_ids)) for r in reqs]
+        else:
+            limits = flight.limits
+        ahead = 0 if flight is None else flight.steps
+        lengths = [len(r.token_ids) for r in reqs]
+        steps = plan_steps(lengths, limits, ahead, self._loop_rate, self._loop_steps)
         if steps <= 0:
             return None
         for req, limit in zip(reqs, limits, strict=True):
-            if not self.kv.reserve(req, loop.reach(req, limit, steps)):
-                for held in reqs:  # the scheduler's step (and its retraction) takes over
-                    self.kv.trim(held, len(held.token_ids))
+            if not self.kv.reserve(req, loop.reach(req, limit, steps, ahead)):
+                if flight is None:  # the scheduler's step (and its retraction) takes over
+                    for held in reqs:
+                        self.kv.trim(held, len(held.token_ids))
                 return None
-        return list(reqs), limits, steps
+        stops = [sorted(_stop_ids(r)) for r in reqs]
+        records = loop.launch(reqs, limits, stops, steps, resume=flight is not None)
+        return LoopFlight(list(reqs), limits, steps, records)
 
-    def _run_loop(self, reqs: list[Request], limits: list[int], steps: int) -> list[RequestOutput]:
-        """The device loop's steps, then each request's tokens appended as its synchronous verifies
-        would have, step by step, up to the first that ends it."""
-        stats = self._stats
-        records = self.device_loop.launch(reqs, limits, [sorted(_stop_ids(r)) for r in reqs], steps)
-        self._while_device_works()
-        result = self.device_loop.collect(records)
-        stats.lap("target")
+    def _loop_settle(self, flight: LoopFlight, chained: bool) -> list[RequestOutput]:
+        """Each request's tokens of a run, appended as its synchronous verifies would have, step by
+        step, up to the first that ends it. `chained`: a run over the same requests is in flight,
+        writing KV into pages reserved past these tokens: they stay."""
+        result = self.device_loop.collect(flight.records)
+        self._stats.lap("target")
+        self._loop_rate = _loop_rate(self._loop_rate, result)
         outputs = []
-        for index, req in enumerate(reqs):
-            delta: list[int] = []
-            reason = None
-            for step in range(steps):
-                tokens = result.emitted(step, index)
-                if not tokens:
-                    break
-                req.num_computed = len(req.token_ids) + len(tokens) - 1
-                self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1)
-                reason, added = self._append(req, tokens, None)
-                delta += added
-                if reason is not None:
-                    break
+        for index, req in enumerate(flight.reqs):
+            if req.finished:  # aborted meanwhile: its row ran on, for nothing
+                continue
+            reason, delta = self._loop_append(req, result, index, flight.steps)
             if reason is not None:
                 self.kv.commit(req, self._cacheable(req))
-                self._finish(req, reason)
+                self._finish(req, reason)  # a run still in flight writes these pages first
             else:
                 self.kv.commit_later(req, self._cacheable(req))
-                self.kv.trim(req, len(req.token_ids))
+                if not chained:
+                    self.kv.trim(req, len(req.token_ids))
                 if not req.stream:
                     self._unread_texts.append(self._texts[req.request_id])
             out = self._emit(req, delta) if delta else None
             if out is not None:
                 outputs.append(out)
-        stats.lap("postprocess")
+        self._stats.lap("postprocess")
         return outputs
+
+    def _loop_append(
+        self, req: Request, result: LoopOutput, index: int, steps: int
+    ) -> tuple[dict | None, list[int]]:
+        delta: list[int] = []
+        for step in range(steps):
+            tokens = result.emitted(step, index)
+            if not tokens:
+                break
+            req.num_computed = len(req.token_ids) + len(tokens) - 1
+            self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1)
+            reason, added = self._append(req, tokens, None)
+            delta += added
+            if reason is not None:
+                return reason, delta
+        return None, delta
 
     def _draft_room(self, req: Request) -> int:
         """Drafts a request may take: a step emits up to drafts + 1 tokens, within its limits."""
@@ -1011,6 +1039,14 @@ def _resolve_items(items: list[ScheduledItem], indices: Sequence[int], drafts: l
         if any(t < 0 for t in item.draft):
             items[index] = item._replace(draft=tuple(draft))
             item.request.draft = list(draft)
+
+
+def _loop_rate(rate: float, result: LoopOutput) -> float:
+    """The tokens a loop step gives an active request: a moving mean over runs, at least 1."""
+    active = int((result.counts > 0).sum())
+    if not active:
+        return rate
+    return max(1.0, 0.5 * rate + 0.5 * float(result.counts.sum()) / active)
 
 
 def _stop_ids(req: Request) -> frozenset[int]:
