@@ -98,7 +98,9 @@ def _loop_prepare_kernel(
     active = length < limit
     first = tl.where(active, last, 0)
     pos = first + j
-    page = tl.load(table_ptr + b * table_stride + pos // PAGE_SIZE, mask=tl.where(active, in_query, False), other=0)
+    page = tl.load(
+        table_ptr + b * table_stride + pos // PAGE_SIZE, mask=tl.where(active, in_query, False), other=0
+    )
     slot = tl.where(active, page * PAGE_SIZE + pos % PAGE_SIZE, 0)
     out = b * (NUM_STEPS + 1) + j
     tl.store(ids_ptr + out, tok, mask=in_query)
@@ -341,17 +343,23 @@ def loop_accept_ref(
     index = lengths.unsqueeze(1) + steps
     hist.scatter_(1, index, torch.where(within, target, hist.gather(1, index)))
     drafted = torch.minimum(valid.sum(dim=1), (room - 1).clamp(min=0))
-    records.copy_(torch.cat([target, taken.unsqueeze(1), torch.where(room > 0, drafted, 0).unsqueeze(1)], dim=1))
+    records.copy_(
+        torch.cat([target, taken.unsqueeze(1), torch.where(room > 0, drafted, 0).unsqueeze(1)], dim=1)
+    )
     lengths.add_(taken)
     limits.copy_(torch.where(stopped, 0, limits))
 
 
 def _int64(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
     if t.dtype != torch.int64 or tuple(t.shape) != shape or t.device != device:
-        raise ValueError(f"{name}: expected int64 {list(shape)} on {device}, got {t.dtype} {list(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name}: expected int64 {list(shape)} on {device}, got {t.dtype} {list(t.shape)} on {t.device}"
+        )
 
 
-def _check_prepare(hist, lengths, limits, page_table, ids, positions, slots, seq_lens, num_steps, max_match) -> None:
+def _check_prepare(
+    hist, lengths, limits, page_table, ids, positions, slots, seq_lens, num_steps, max_match
+) -> None:
     """Shapes, dtypes and layouts (no value checks: those would sync, and the loop is captured)."""
     if hist.dim() != 2 or hist.stride(1) != 1:
         raise ValueError(f"hist: expected a [B, W] tensor with unit-stride rows, got {list(hist.shape)}")
@@ -366,23 +374,31 @@ def _check_prepare(hist, lengths, limits, page_table, ids, positions, slots, seq
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor (written in place)")
     if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.stride(1) != 1:
-        raise ValueError(f"page_table: expected [{batch}, P] with unit-stride rows, got {list(page_table.shape)}")
+        raise ValueError(
+            f"page_table: expected [{batch}, P] with unit-stride rows, got {list(page_table.shape)}"
+        )
     _int64("page_table", page_table, tuple(page_table.shape), device)
 
 
 def _check_accept(target, drafts, valid, hist, lengths, limits, stops, records) -> None:
     if target.dim() != 2 or target.shape[1] < 2 or not target.is_contiguous():
-        raise ValueError(f"target: expected a contiguous [B, k + 1] tensor (k >= 1), got {list(target.shape)}")
+        raise ValueError(
+            f"target: expected a contiguous [B, k + 1] tensor (k >= 1), got {list(target.shape)}"
+        )
     batch, query = target.shape
     device = target.device
     _int64("target", target, (batch, query), device)
     _int64("drafts", drafts, (batch, query - 1), device)
     if valid.dtype != torch.bool or tuple(valid.shape) != (batch, query - 1) or valid.device != device:
-        raise ValueError(f"valid: expected bool [{batch}, {query - 1}], got {valid.dtype} {list(valid.shape)}")
+        raise ValueError(
+            f"valid: expected bool [{batch}, {query - 1}], got {valid.dtype} {list(valid.shape)}"
+        )
     if not (drafts.is_contiguous() and valid.is_contiguous() and records.is_contiguous()):
         raise ValueError("drafts, valid, records: expected contiguous tensors")
     if hist.dim() != 2 or hist.shape[0] != batch or hist.stride(1) != 1 or hist.shape[1] < query:
-        raise ValueError(f"hist: expected [{batch}, W >= {query}] with unit-stride rows, got {list(hist.shape)}")
+        raise ValueError(
+            f"hist: expected [{batch}, W >= {query}] with unit-stride rows, got {list(hist.shape)}"
+        )
     _int64("hist", hist, tuple(hist.shape), device)
     for name, t in (("lengths", lengths), ("limits", limits)):
         _int64(name, t, (batch,), device)

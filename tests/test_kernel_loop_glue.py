@@ -66,7 +66,9 @@ def _clone(tensors):
     return [t.clone() for t in tensors]
 
 
-def _target(rng: np.random.Generator, drafts: torch.Tensor, valid: torch.Tensor, stops: torch.Tensor, vocab: int):
+def _target(
+    rng: np.random.Generator, drafts: torch.Tensor, valid: torch.Tensor, stops: torch.Tensor, vocab: int
+):
     """A stand-in argmax [B, k + 1]: the drafts up to a random rejection, random tokens after, and
     sometimes a stop id planted inside the chain."""
     batch, k = drafts.shape
@@ -93,7 +95,9 @@ def _check_step(rng, state, buffers, num_steps, min_match, max_match, page_size)
     ref_bufs, ker_bufs = _clone(buffers), _clone(buffers)
     ref = loop_prepare_ref(hist, lengths, limits, table, *ref_bufs, **kw)
     got = loop_prepare(hist, lengths, limits, table, *ker_bufs, **kw)
-    _compare([*got, *ker_bufs], [*ref, *ref_bufs], ["drafts", "valid", "ids", "positions", "slots", "seq_lens"])
+    _compare(
+        [*got, *ker_bufs], [*ref, *ref_bufs], ["drafts", "valid", "ids", "positions", "slots", "seq_lens"]
+    )
     drafts, valid = ref
     target = _target(rng, drafts, valid, stops, int(hist.max()) + 1)
     batch = hist.shape[0]
@@ -108,7 +112,13 @@ def _check_step(rng, state, buffers, num_steps, min_match, max_match, page_size)
 
 @pytest.mark.parametrize(
     ("num_steps", "min_match", "max_match", "page_size", "batch", "max_len"),
-    [(1, 1, 1, 1, 5, 40), (4, 1, 4, 4, 9, 120), (5, 2, 3, 16, 16, 300), (7, 3, 5, 1, 4, 80), (3, 1, 8, 2, 3, 2100)],
+    [
+        (1, 1, 1, 1, 5, 40),
+        (4, 1, 4, 4, 9, 120),
+        (5, 2, 3, 16, 16, 300),
+        (7, 3, 5, 1, 4, 80),
+        (3, 1, 8, 2, 3, 2100),
+    ],
 )
 def test_random_steps_match_the_reference(num_steps, min_match, max_match, page_size, batch, max_len):
     rng = np.random.default_rng(num_steps * 1000 + max_match * 10 + batch)
@@ -122,7 +132,9 @@ def test_random_steps_match_the_reference(num_steps, min_match, max_match, page_
         taken = records[:, num_steps + 1]
         room = (limits - lengths).clamp(min=0)
         seen |= {"draft" for v in valid.any(dim=1).tolist() if v}
-        seen |= {"stopped" for s, lim in zip(new_limit.tolist(), limits.tolist(), strict=True) if lim and not s}
+        seen |= {
+            "stopped" for s, lim in zip(new_limit.tolist(), limits.tolist(), strict=True) if lim and not s
+        }
         seen |= {"cut" for t, r in zip(taken.tolist(), room.tolist(), strict=True) if 0 < r == t <= num_steps}
         seen |= {"accepted" for t in taken.tolist() if t > 1}
         seen |= {"idle" for t in taken.tolist() if t == 0}
@@ -138,7 +150,9 @@ def _chained(device, batch: int, num_steps: int, max_len: int, iterations: int, 
     rng = np.random.default_rng(seed)
     page_size, min_match, max_match = 4, 1, 4
     hist, lengths, limits, table, stops = _state(rng, batch, num_steps, page_size, max_len, device)
-    limits = torch.where(limits > lengths, torch.minimum(lengths + 40, torch.full_like(limits, max_len - 1)), limits)
+    limits = torch.where(
+        limits > lengths, torch.minimum(lengths + 40, torch.full_like(limits, max_len - 1)), limits
+    )
     ref = [hist.clone(), lengths.clone(), limits.clone()]
     ker = [hist.clone(), lengths.clone(), limits.clone()]
     query = num_steps + 1
@@ -148,7 +162,9 @@ def _chained(device, batch: int, num_steps: int, max_len: int, iterations: int, 
         ref_bufs, ker_bufs = _buffers(rng, batch, num_steps, device), _buffers(rng, batch, num_steps, device)
         r = loop_prepare_ref(ref[0], ref[1], ref[2], table, *ref_bufs, **kw)
         g = loop_prepare(ker[0], ker[1], ker[2], table, *ker_bufs, **kw)
-        _compare([*g, *ker_bufs], [*r, *ref_bufs], ["drafts", "valid", "ids", "positions", "slots", "seq_lens"])
+        _compare(
+            [*g, *ker_bufs], [*r, *ref_bufs], ["drafts", "valid", "ids", "positions", "slots", "seq_lens"]
+        )
         ids = ref_bufs[0].view(batch, query)
         follow = torch.as_tensor(rng.random((batch, query)) < 0.8, device=device)
         noise = torch.as_tensor(rng.integers(0, 6, (batch, query)), device=device)
@@ -170,7 +186,9 @@ def test_single_token_rows_and_no_match():
     lengths, limits = torch.tensor([1, 3, 2], device=DEVICE), torch.tensor([9, 9, 0], device=DEVICE)
     table = torch.tensor([[7], [8], [9]], device=DEVICE)
     bufs = _buffers(np.random.default_rng(0), 3, 2, DEVICE)
-    drafts, valid = loop_prepare(hist, lengths, limits, table, *bufs, num_steps=2, min_match=1, max_match=4, page_size=8)
+    drafts, valid = loop_prepare(
+        hist, lengths, limits, table, *bufs, num_steps=2, min_match=1, max_match=4, page_size=8
+    )
     assert valid.tolist() == [[False, False], [False, False], [True, False]]
     assert drafts[2, 0].item() == 4
     ids, positions, slots, seq_lens = (t.cpu().view(3, -1) for t in bufs)
