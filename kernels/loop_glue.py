@@ -239,6 +239,7 @@ def loop_accept(
             NUM_STOPS=stops.shape[1],
             BLOCK_Q=max(2, triton.next_power_of_2(query)),
             BLOCK_S=max(2, triton.next_power_of_2(stops.shape[1])),
+            num_warps=1,  # a few dozen values a row: one warp's shuffles reduce them
         )
 
 

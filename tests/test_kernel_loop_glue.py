@@ -153,6 +153,9 @@ def _chained(device, batch: int, num_steps: int, max_len: int, iterations: int, 
     limits = torch.where(
         limits > lengths, torch.minimum(lengths + 40, torch.full_like(limits, max_len - 1)), limits
     )
+    # Row 0 runs every iteration: active, far from its limit, no stop ids.
+    lengths[0] = min(int(lengths[0]), max_len // 2)
+    limits[0], stops[0] = lengths[0] + 40, -1
     ref = [hist.clone(), lengths.clone(), limits.clone()]
     ker = [hist.clone(), lengths.clone(), limits.clone()]
     query = num_steps + 1
