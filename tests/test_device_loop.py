@@ -71,10 +71,13 @@ def test_greedy_equals_plain(small_vocab_target, launches):
     assert accepted > 0, "the tiny model's repetitive outputs should accept drafts"
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_stops_match_plain(small_vocab_target, launches, page_size):
+@pytest.mark.parametrize(("page_size", "glue"), [(1, "torch"), (16, "torch"), (4, "triton")])
+def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size, glue):
     """Stop ids, EOS and stop strings end each request where plain decoding ends it, wherever they
-    fall in a loop's steps; a lone request and a batch alike."""
+    fall in a loop's steps; a lone request and a batch alike. `triton`: the loop's glue through its
+    kernels (`kernels/loop_glue.py`, under the Triton interpreter on the CPU), the rest unchanged."""
+    if glue == "triton":
+        monkeypatch.setattr("specserve.engine.device_loop.use_triton", lambda device: True)
     prompts = _prompts(3, seed=3)
     plain_llm = _llm(small_vocab_target, page_size=page_size)
     free = plain_llm.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
@@ -93,6 +96,7 @@ def test_stops_match_plain(small_vocab_target, launches, page_size):
     alone = llm.generate(prompts[1:2], params[1:2])[0]
     assert alone.token_ids == plain[1].token_ids
     assert launches
+    assert (llm.engine.device_loop.prepare.__name__ == "loop_prepare") == (glue == "triton")
 
 
 def test_requests_it_cannot_take_fall_back(small_vocab_target, launches):

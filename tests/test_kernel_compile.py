@@ -5,7 +5,7 @@ unsupported constructs that only it rejects would first show on the GPU machine.
 ahead of time for a named target with the ptxas it bundles, no driver needed; this does so for one
 variant of each kernel (the SmolLM2 shapes: decode tile with split-K and a tree mask, prefill tile,
 RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels in
-their tile and GEMV forms), in a subprocess because this process's triton runs in interpreter mode.
+their tile and GEMV forms, the device loop's glue), in a subprocess because this process's triton runs in interpreter mode.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specserve_kernels import fused_linear as fl, paged_attention as pa, rms_norm as rn, rope_store as rs
+    from specserve_kernels import fused_linear as fl, loop_glue as lg, paged_attention as pa, rms_norm as rn, rope_store as rs
 
     FLOATS = {"scale_log2", "eps"}
 
@@ -69,6 +69,9 @@ COMPILE = textwrap.dedent(
     compile_(fl._fused_gemv_kernel, {"default": "*bf16"}, {**chunked, **flags, "RESIDUAL": True, "BIAS": True, "GATED": False}, 2)
     compile_(fl._qkv_gemv_kernel, qkv, {**gemv, "NORM": True, "BIAS": True, "HALF": 32}, 2)
     compile_(fl._qkv_gemv_kernel, qkv, {**chunked, "NORM": True, "BIAS": False, "HALF": 32}, 2)
+    glue = {"default": "*i64", "valid_ptr": "*u8"}
+    compile_(lg._loop_prepare_kernel, glue, dict(NUM_STEPS=5, MIN_MATCH=1, MAX_MATCH=4, PAGE_SIZE=16, BLOCK=1024, BLOCK_Q=8))
+    compile_(lg._loop_accept_kernel, glue, dict(NUM_STEPS=5, NUM_STOPS=8, BLOCK_Q=8, BLOCK_S=8), 1)
     print("compiled")
     """
 )

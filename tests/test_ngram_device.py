@@ -1,5 +1,6 @@
-"""The device n-gram lookup (`specserve/spec/ngram_device.py`) against `NgramDrafter.propose`, draft
-for draft: many random sequences with small vocabularies (matches everywhere, long and overlapping
+"""The device n-gram lookup (`ngram_chain_drafts` in `kernels/loop_glue.py`, the reference of the
+device loop's `loop_prepare` kernel, which runs here too) against `NgramDrafter.propose`, draft for
+draft: many random sequences with small vocabularies (matches everywhere, long and overlapping
 ones), every match range and draft length, a batch of rows of different lengths padded with junk."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from specserve.spec.ngram import NgramDrafter
-from specserve.spec.ngram_device import ngram_chain_drafts
+from specserve_kernels.loop_glue import loop_prepare, ngram_chain_drafts
 
 
 def _sequence(rng: np.random.Generator) -> list[int]:
@@ -30,7 +31,8 @@ def test_drafts_equal_host_lookup(min_match, max_match, num_steps):
     for _ in range(12):
         seqs = [_sequence(rng) for _ in range(int(rng.integers(1, 9)))]
         width = max(len(s) for s in seqs) + int(rng.integers(0, 20))
-        hist = torch.as_tensor(rng.integers(0, 7, (len(seqs), width)), dtype=torch.int64)  # junk past each row
+        junk = rng.integers(0, 7, (len(seqs), width))  # past each row's tokens
+        hist = torch.as_tensor(junk, dtype=torch.int64)
         for b, seq in enumerate(seqs):
             hist[b, : len(seq)] = torch.tensor(seq)
         lengths = torch.tensor([len(s) for s in seqs])
@@ -40,6 +42,15 @@ def test_drafts_equal_host_lookup(min_match, max_match, num_steps):
             got = drafts[b][valid[b]].tolist()
             assert got == want, (seq, b)
             assert valid[b].tolist() == [True] * len(want) + [False] * (num_steps - len(want))
+        # The kernel (Triton interpreter on the CPU), every row inactive: its drafts alone matter here.
+        batch, query = len(seqs), num_steps + 1
+        inputs = torch.zeros(3 * batch * query + batch, dtype=torch.int64).split(
+            [batch * query] * 3 + [batch]
+        )
+        table = torch.zeros(batch, 1, dtype=torch.int64)
+        kw = dict(num_steps=num_steps, min_match=min_match, max_match=max_match, page_size=16)
+        got = loop_prepare(hist, lengths, torch.zeros_like(lengths), table, *inputs, **kw)
+        assert torch.equal(got[0], drafts) and torch.equal(got[1], valid)
 
 
 def test_single_token_and_no_match():

@@ -4,10 +4,11 @@ A speculative step's host work (read the verify's tokens, look up the next draft
 next input) sits between two forwards, so at batch 1 the GPU idles for most of a step: a verify of
 0.9 ms took 1.5-1.8 ms of wall time. For greedy requests nothing of a step needs the host: the
 accept test is an argmax comparison, the next draft an n-gram lookup over tokens that can stay on
-the device (`specserve/spec/ngram_device.py`), and the next input's ids, positions and KV slots
-follow from the accepted counts. So `DeviceLoop.launch` queues `iterations` whole steps, each
-[draft lookup, the verify bucket's CUDA-graph replay, accept, append], and the host reads every
-step's tokens with one copy at the end.
+the device, and the next input's ids, positions and KV slots follow from the accepted counts. So
+`DeviceLoop.launch` queues `iterations` whole steps, each [draft lookup and input, the verify
+bucket's CUDA-graph replay, accept and append], and the host reads every step's tokens with one copy
+at the end. The glue around the forward is two launches (`kernels/loop_glue.py`: `loop_prepare`,
+`loop_accept`, one program per request each), their torch references on the CPU.
 
 Per iteration and request (the verify bucket's static inputs written on the device):
 - the input: the last token and `num_steps` draft tokens at positions len - 1 ... len - 1 + k, their
@@ -38,7 +39,8 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.host_copy import to_device
 from specserve.engine.request import Request
 from specserve.executor.cuda_graphs import CudaGraphs, capture
-from specserve.spec.ngram_device import ngram_chain_drafts
+from specserve_kernels import use_triton
+from specserve_kernels.loop_glue import loop_accept, loop_accept_ref, loop_prepare, loop_prepare_ref
 
 # Steps a run queues where `speculative.device_steps` is null (SPECSERVE_DEVICE_STEPS: another
 # default, e.g. 0 to bench without the loop). More steps a run: fewer host reads, but new requests
@@ -95,7 +97,13 @@ class DeviceLoop:
         self.limits = torch.zeros(batch, dtype=torch.int64, device=device)
         self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
         self.records = torch.zeros(batch, self.query_len + 2, dtype=torch.int64, device=device)
-        self.steps = torch.arange(self.query_len, device=device)
+        # The glue around each forward: one Triton launch each on CUDA, the torch references else.
+        kernels = use_triton(device)
+        self.lookup = dict(
+            num_steps=num_steps, min_match=min_match, max_match=max_match, page_size=self.page_size
+        )
+        self.prepare = loop_prepare if kernels else loop_prepare_ref
+        self.accept = loop_accept if kernels else loop_accept_ref
         self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pinned: list[torch.Tensor | None] = [None] * 3
         self._next_pinned = 0
@@ -189,11 +197,12 @@ class DeviceLoop:
         accept; its record in `records`."""
         hist, lengths, limits = self.hist[:batch], self.lengths[:batch], self.limits[:batch]
         graph = self.graphs.graphs[(batch, self.query_len)]
-        drafts, valid = ngram_chain_drafts(hist, lengths, self.num_steps, self.min_match, self.max_match)
-        active = lengths < limits
-        self._write_input(graph, hist, lengths, drafts, active)
+        table, a = self.graphs.page_table[:batch], graph.attention
+        inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
+        drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup)
         logits = self.graphs.forward(graph)[2]
-        self._accept(logits, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
+        target = logits.argmax(dim=-1).view(batch, self.query_len)
+        self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
 
     def _copy_pages(self, reqs: list[Request], batch: int) -> None:
         pages = self.graphs.page_table.shape[1]
@@ -231,41 +240,6 @@ class DeviceLoop:
         self.limits[:batch].copy_(parts[4])
         self.graphs.graphs[(batch, k)].attention.query_start.copy_(parts[5])
 
-    def _write_input(self, graph, hist, lengths, drafts, active) -> None:
-        """The verify bucket's ids, positions, slots and seq lens; inactive rows (done, or pads) sit
-        at positions 0 ... k over the dummy slot."""
-        start = torch.where(active, lengths - 1, 0).unsqueeze(1)
-        positions = start + self.steps
-        last = hist.gather(1, (lengths - 1).unsqueeze(1))
-        graph.ids.view(-1, self.query_len).copy_(torch.cat([last, drafts], dim=1))
-        graph.positions.view(-1, self.query_len).copy_(positions)
-        ps = self.page_size
-        table = self.graphs.page_table[: hist.shape[0]]
-        slots = table.gather(1, positions // ps) * ps + positions % ps
-        graph.attention.slot_mapping.view(-1, self.query_len).copy_(torch.where(active.unsqueeze(1), slots, 0))
-        graph.attention.seq_lens.copy_(start.squeeze(1) + self.query_len)
-
-    def _accept(self, logits, drafts, valid, hist, lengths, limits, stops, out) -> None:
-        """Greedy chain acceptance of every row, the append into the histories, and this step's
-        record `out` [B, k + 3]: the argmax tokens, the count taken, the drafts verified."""
-        k = self.num_steps
-        target = logits.argmax(dim=-1).view(-1, self.query_len)
-        match = (drafts == target[:, :k]) & valid
-        taken = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1) + 1
-        room = (limits - lengths).clamp(min=0)
-        taken = torch.minimum(taken, room)
-        within = self.steps.unsqueeze(0) < taken.unsqueeze(1)
-        hit = (target.unsqueeze(2) == stops.unsqueeze(1)).any(dim=2) & within
-        stopped = hit.any(dim=1)
-        taken = torch.where(stopped, hit.to(torch.int64).argmax(dim=1) + 1, taken)
-        within = self.steps.unsqueeze(0) < taken.unsqueeze(1)
-        index = lengths.unsqueeze(1) + self.steps
-        hist.scatter_(1, index, torch.where(within, target, hist.gather(1, index)))
-        drafted = torch.minimum(valid.sum(dim=1), (room - 1).clamp(min=0))
-        out.copy_(torch.cat([target, taken.unsqueeze(1), torch.where(room > 0, drafted, 0).unsqueeze(1)], dim=1))
-        lengths.add_(taken)
-        limits.copy_(torch.where(stopped, 0, limits))
-
 
 @dataclass(frozen=True)
 class LoopFlight:
@@ -302,7 +276,9 @@ def make_device_loop(
         return None, 0
     if graphs is None or not single_rank:
         if spec.device_steps is not None:
-            raise ValueError("speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 and a decoder without recurrent layers")
+            raise ValueError(
+                "speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 and a decoder without recurrent layers"
+            )
         return None, 0
     loop = DeviceLoop(graphs, spec.num_steps, spec.ngram_min_match, spec.ngram_max_match, max_context)
     return (loop, steps) if loop.batch_sizes else (None, 0)
