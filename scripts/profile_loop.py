@@ -73,9 +73,9 @@ def main() -> None:
             launches = []
             original = loop.launch
 
-            def counting(*args, original=original):
+            def counting(*args, original=original, **kwargs):
                 launches.append(args[3])
-                return original(*args)
+                return original(*args, **kwargs)
 
             loop.launch = counting
             torch.cuda.synchronize()

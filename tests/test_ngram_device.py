@@ -12,6 +12,8 @@ import torch
 from specserve.spec.ngram import NgramDrafter
 from specserve_kernels.loop_glue import loop_prepare, ngram_chain_drafts
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: native, or the interpreter
+
 
 def _sequence(rng: np.random.Generator) -> list[int]:
     """Random tokens (1 to 300), some ending with a copy of an earlier stretch (a long match)."""
@@ -44,13 +46,14 @@ def test_drafts_equal_host_lookup(min_match, max_match, num_steps):
             assert valid[b].tolist() == [True] * len(want) + [False] * (num_steps - len(want))
         # The kernel (Triton interpreter on the CPU), every row inactive: its drafts alone matter here.
         batch, query = len(seqs), num_steps + 1
-        inputs = torch.zeros(3 * batch * query + batch, dtype=torch.int64).split(
+        inputs = torch.zeros(3 * batch * query + batch, dtype=torch.int64, device=DEVICE).split(
             [batch * query] * 3 + [batch]
         )
-        table = torch.zeros(batch, 1, dtype=torch.int64)
+        table = torch.zeros(batch, 1, dtype=torch.int64, device=DEVICE)
         kw = dict(num_steps=num_steps, min_match=min_match, max_match=max_match, page_size=16)
-        got = loop_prepare(hist, lengths, torch.zeros_like(lengths), table, *inputs, **kw)
-        assert torch.equal(got[0], drafts) and torch.equal(got[1], valid)
+        hist_d, lengths_d = hist.to(DEVICE), lengths.to(DEVICE)
+        got = loop_prepare(hist_d, lengths_d, torch.zeros_like(lengths_d), table, *inputs, **kw)
+        assert torch.equal(got[0].cpu(), drafts) and torch.equal(got[1].cpu(), valid)
 
 
 def test_single_token_and_no_match():
