@@ -117,7 +117,7 @@ class AdaptiveSpeculation:
         depth = max(chains)
 
         def observe(request_id: str, drafted: int, accepted: int, batch: int) -> None:
-            self.acceptance.observe(request_id, 1, drafted, accepted, batch)
+            self.acceptance.observe(request_id, 1, drafted, accepted, batch, shadow=True)
 
         self.shadow = ShadowDrafts(lookup, depth, self._shadow_lookups, observe)
 
@@ -152,7 +152,8 @@ class AdaptiveSpeculation:
             self.shadow.score(reqs)
         decision = self.policy.decide([r.request_id for r in reqs], remaining)
         if self.shadow is not None and decision.tier.off:
-            self.shadow.start(reqs)
+            if not self.policy.hopeless:  # else no estimate could change the decision: no lookups
+                self.shadow.start(reqs)
         elif self.shadow is not None:
             self.shadow.drop()
         self.tier, self._steps = decision.tier, decision.steps

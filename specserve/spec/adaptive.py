@@ -133,6 +133,7 @@ class AdaptivePolicy:
         probe_every: int = 32,
         goodput_alpha: float = 0.1,
         rescore_every: int = 16,
+        shadow_rescore_every: int = 4,
         max_probe_every: int | None = None,
         probe_z: float = 1.0,
         overlapped_off: bool = False,
@@ -149,11 +150,14 @@ class AdaptivePolicy:
         self.max_probe_every = max_probe_every or 8 * probe_every
         self.probe_z, self.overlapped_off, self.draft_per_step = probe_z, overlapped_off, draft_per_step
         self.rescore_every, self.probe_share = rescore_every, probe_share
+        self.shadow_rescore_every = shadow_rescore_every
         self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
         self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
         self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
         self._scored: _Scores | None = None
         self._scored_age = 0
+        self._gate: tuple[int, int, bool] | None = None  # (batch, decisions since, hopeless)
+        self.hopeless = False  # the last decision was off with no tier able to win (`_hopeless`)
         self.current: Tier | None = None
         self.switches = 0
         self.measured_goodput = 0.0
@@ -193,15 +197,26 @@ class AdaptivePolicy:
         tokens each may still emit, when no request waits to be admitted: the tiers are then judged
         by how soon the batch finishes (`draft_depths`), not by this step's tokens per second."""
         ids = tuple(request_ids)
+        off = self.current is not None and self.current.off and bool(ids)
+        if not off:
+            self._gate = None  # the cost tables moved on meanwhile: judged afresh when off again
+        self.hopeless = off and self._hopeless(len(ids))
+        if self.hopeless:
+            return self._stay_off(ids)
         # Decoding moves every request on by one token: only a change beyond that rescores.
         lead = None if remaining is None else _lead(remaining)
         scored = self._scored
+        acceptance = self.acceptance
         if (
             scored is None
-            or scored.version != self.acceptance.version
+            or scored.version != acceptance.version
             or scored.ids != ids
             or scored.lead != lead
             or self._scored_age >= self.rescore_every
+            or (
+                scored.shadow_version != acceptance.shadow_version
+                and self._scored_age >= self.shadow_rescore_every
+            )
         ):
             scored = self._scored = self._score(ids, remaining)
             self._scored_age = 0
@@ -275,6 +290,56 @@ class AdaptivePolicy:
             "probe_interval": self.probe_interval,
         }
 
+    def _hopeless(self, batch: int) -> bool:
+        """Whether, off at `batch`, no tier could be switched to or probed whatever the acceptance:
+        then the step is off without scoring a request (issue 9's H100 at batch 64: a step of the
+        1-chain cost 15.9 ms against a plain one's 4.4, and scoring the batch every step made the
+        plain steps ~1 ms dearer). A tier whose requests emit at most `num_steps` + 1 tokens a step
+        scores, by goodput or by the drain alike, at most (`num_steps` + 1) x a plain step's cost /
+        its least step cost times off's score. It rests on the cost tables alone, so it is kept per
+        batch for `rescore_every` decisions, as scores are."""
+        gate = self._gate
+        if gate is not None and gate[0] == batch and gate[1] < self.rescore_every:
+            self._gate = (batch, gate[1] + 1, gate[2])
+            return gate[2]
+        off_seconds = self.step_seconds(self.current, batch)
+        hopeless = True
+        for tier in self.tiers:
+            if tier.off:
+                continue
+            least = self._least_seconds(tier, batch)
+            bound = (tier.num_steps + 1) * off_seconds / least if least > 0 else float("inf")
+            # `_probe`'s test: a probe needs a tier that could beat decoding were all drafts accepted
+            probe = tier.query_len * off_seconds > self.step_seconds(tier, batch)
+            if bound > 1 + self.hysteresis or probe:
+                hopeless = False
+                break
+        self._gate = (batch, 1, hopeless)
+        return hopeless
+
+    def _least_seconds(self, tier: Tier, batch: int) -> float:
+        """The least a step of `tier` over `batch` requests may cost, some drafting: one request or
+        all of them at each depth (the tables need not rise with width or batch everywhere)."""
+        rest = [0] * (batch - 1)
+        return min(
+            self._seconds(tier, batch, depths)
+            for d in range(1, tier.num_steps + 1)
+            for depths in ([d, *rest], [d] * batch)
+        )
+
+    def _stay_off(self, ids: tuple[str, ...]) -> Decision:
+        """`decide` where `_hopeless`: off, as scoring would have decided (no challenger, no probe:
+        `_probe`'s count of steps off runs on as it would), without reading any request's estimates."""
+        batch = len(ids)
+        self._challenger, self._streak = None, 0
+        self._scored_age += 1
+        self.last_batch = batch
+        self._since_probe += 1
+        if self._since_probe >= self.probe_interval:
+            self._since_probe = 0  # what `_probe` does when no tier is hopeful
+        off = self.current
+        return Decision(off, dict.fromkeys(ids, 0), batch / self.step_seconds(off, batch), False)
+
     def _score(self, ids: tuple[str, ...], remaining: Sequence[int] | None) -> _Scores:
         """Each tier's depths per request, predicted goodput and score over `ids`: every request's
         rates read once, per topk."""
@@ -316,7 +381,8 @@ class AdaptivePolicy:
                 score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
             depths[tier] = chosen
         lead = None if remaining is None else _lead(remaining)
-        return _Scores(ids, self.acceptance.version, left, lead, goodput, score, depths)
+        acceptance = self.acceptance
+        return _Scores(ids, acceptance.version, acceptance.shadow_version, left, lead, goodput, score, depths)
 
     def _depths(self, tier: Tier, rows: list[tuple[list[float], int]], left: list[int] | None) -> list[int]:
         """Each request's draft steps in `tier` (see `draft_depths` for an n-gram chain)."""
@@ -460,6 +526,7 @@ class _Scores:
 
     ids: tuple[str, ...]
     version: int
+    shadow_version: int  # the shadow drafts' observations it saw (rescored every few decisions)
     left: list[int] | None  # tokens each may still emit, scored by the drain (nobody waits); else None
     lead: tuple[int, ...] | None  # `left` less its least: what one more decode step leaves as it is
     goodput: dict[Tier, float]  # predicted tokens per second of a step

@@ -51,6 +51,8 @@ class ShadowDrafts:
     def score(self, reqs: Sequence[Request]) -> None:
         """Before a step over `reqs` is decided: the shadows their known tokens now settle go to the
         acceptance estimates."""
+        if not self._open:
+            return
         batch = len(reqs)
         for req in reqs:
             shadow = self._open.get(req.request_id)
