@@ -167,12 +167,13 @@ class _Counts:
 
     def add(self, tested: int, accepted: int, alpha: float) -> None:
         keep = 1.0 - alpha
-        for i in range(len(self.tested)):
-            self.accepted[i] *= keep
-            self.tested[i] *= keep
+        # Faded by comprehension (each verify and shadow draft fades two of these per position)
+        self.accepted = [a * keep for a in self.accepted]
+        self.tested = [t * keep for t in self.tested]
         for i in range(tested):
             self.tested[i] += 1.0
-            self.accepted[i] += 1.0 if i < accepted else 0.0
+        for i in range(min(accepted, tested)):
+            self.accepted[i] += 1.0
 
     def rate(self, position: int, prior: float, strength: float) -> float:
         return (self.accepted[position] + strength * prior) / (self.tested[position] + strength)

@@ -179,7 +179,8 @@ class AdaptivePolicy:
         """A step of `tier` over `batch` requests, each drafting the tier's full depth."""
         if tier.off and self.overlapped_off and self.costs.knows(DECODE):
             return self.costs.estimate(DECODE, batch, 1)
-        return self._seconds(tier, batch, [tier.num_steps] * batch)
+        k = tier.num_steps
+        return self._step_seconds(tier, batch, k, batch if k else 0, batch * k)
 
     def verify_seconds(self, batch: int, tokens: int, deepest: int) -> float:
         """A target pass over `batch` requests of `tokens` tokens in all, the widest drafting
@@ -218,7 +219,7 @@ class AdaptivePolicy:
                 and self._scored_age >= self.shadow_rescore_every
             )
         ):
-            scored = self._scored = self._score(ids, remaining)
+            scored = self._scored = self._score(ids, remaining, lead)
             self._scored_age = 0
         self._scored_age += 1
         self.last_batch = len(ids)
@@ -320,11 +321,10 @@ class AdaptivePolicy:
     def _least_seconds(self, tier: Tier, batch: int) -> float:
         """The least a step of `tier` over `batch` requests may cost, some drafting: one request or
         all of them at each depth (the tables need not rise with width or batch everywhere)."""
-        rest = [0] * (batch - 1)
         return min(
-            self._seconds(tier, batch, depths)
+            self._step_seconds(tier, batch, d, drafting, d * drafting)
             for d in range(1, tier.num_steps + 1)
-            for depths in ([d, *rest], [d] * batch)
+            for drafting in {1, batch}
         )
 
     def _stay_off(self, ids: tuple[str, ...]) -> Decision:
@@ -340,7 +340,9 @@ class AdaptivePolicy:
         off = self.current
         return Decision(off, dict.fromkeys(ids, 0), batch / self.step_seconds(off, batch), False)
 
-    def _score(self, ids: tuple[str, ...], remaining: Sequence[int] | None) -> _Scores:
+    def _score(
+        self, ids: tuple[str, ...], remaining: Sequence[int] | None, lead: tuple[int, ...] | None = None
+    ) -> _Scores:
         """Each tier's depths per request, predicted goodput and score over `ids`: every request's
         rates read once, per topk."""
         batch = len(ids)
@@ -380,7 +382,8 @@ class AdaptivePolicy:
             if not tier.off and not any(chosen):
                 score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
             depths[tier] = chosen
-        lead = None if remaining is None else _lead(remaining)
+        if lead is None and remaining is not None:
+            lead = _lead(remaining)
         acceptance = self.acceptance
         return _Scores(ids, acceptance.version, acceptance.shadow_version, left, lead, goodput, score, depths)
 
@@ -404,12 +407,15 @@ class AdaptivePolicy:
     def _seconds(self, tier: Tier, batch: int, depths: Sequence[int]) -> float:
         """A step of `tier` whose requests draft `depths` (0: decodes in the pass): the verify, and
         the draft of those drafting (`deepest` steps of a model drafter, one lookup each of n-gram)."""
-        deepest = max(depths, default=0)
-        drafting = sum(1 for d in depths if d)
+        drafting = len(depths) - depths.count(0) if isinstance(depths, list) else sum(1 for d in depths if d)
+        return self._step_seconds(tier, batch, max(depths, default=0), drafting, sum(depths))
+
+    def _step_seconds(self, tier: Tier, batch: int, deepest: int, drafting: int, drafts: int) -> float:
+        """`_seconds` from the depths' aggregates: the deepest, how many draft, the drafts in all."""
         if tier.topk > 1:
             seconds = self.costs.estimate(VERIFY, batch, tier.query_len)
         else:
-            seconds = self.verify_seconds(batch, batch + sum(depths), deepest)
+            seconds = self.verify_seconds(batch, batch + drafts, deepest)
         if drafting:
             draft = self.costs.estimate(DRAFT, drafting, tier.topk)
             seconds += deepest * draft if self.draft_per_step else draft
@@ -445,10 +451,28 @@ class AdaptivePolicy:
             self._idle[rid] = idle
         return out
 
-    def _upper_goodput(self, tier: Tier, batch: int) -> float:
-        """`tier`'s goodput over `batch` requests under the pooled upper confidence bounds."""
+    def _upper_goodput(self, tier: Tier, batch: int, seconds: float | None = None) -> float:
+        """`tier`'s goodput over `batch` requests under the pooled upper confidence bounds (`seconds`:
+        its step's, when known)."""
         upper = expected_prefix(self.acceptance.pooled_upper(tier.topk, self.probe_z))
-        return batch * upper[min(tier.num_steps, len(upper) - 1)] / self.step_seconds(tier, batch)
+        seconds = self.step_seconds(tier, batch) if seconds is None else seconds
+        return batch * upper[min(tier.num_steps, len(upper) - 1)] / seconds
+
+    def _probe_candidates(self, scored: _Scores, off_rate: float) -> list[tuple[Tier, float, float]]:
+        """The tiers `_probe` may pick, each with its step's seconds and its goodput under the upper
+        bounds, made once per scoring: while a dear probe waits for its share of the time off (at
+        batch 64, ~90 steps) `_probe` asks every step, and pricing each tier over the batch anew
+        cost a plain step ~50 µs of host time there."""
+        if scored.probe is None or scored.probe[0] != off_rate:
+            batch, out = len(scored.ids), []
+            for tier in self.tiers:
+                if tier.off:
+                    continue
+                seconds = self.step_seconds(tier, batch)
+                if batch * tier.query_len / seconds > off_rate:
+                    out.append((tier, seconds, self._upper_goodput(tier, batch, seconds)))
+            scored.probe = (off_rate, out)
+        return scored.probe[1]
 
     def _probe(self, scored: _Scores) -> Tier | None:
         """A speculative tier to probe with, once every `probe_interval` steps with speculation off:
@@ -463,14 +487,14 @@ class AdaptivePolicy:
         # Only a tier that could win were every draft accepted is worth a probe (at a large batch,
         # where drafting and a wide verify cost several decode steps, none may be).
         off_rate = scored.goodput[self.current]
-        hopeful = [t for t in speculative if batch * t.query_len / self.step_seconds(t, batch) > off_rate]
+        hopeful = self._probe_candidates(scored, off_rate)
         if not hopeful:
             self._since_probe = 0
             return None
-        tier = max(hopeful, key=lambda t: self._upper_goodput(t, batch))
+        tier, seconds, _ = max(hopeful, key=lambda c: c[2])
         # A probe that loses costs its step beyond a decode step: probe seldom enough that this
         # stays within `probe_share` of the time off (at batch 64 a probe costs ~2 decode steps).
-        seconds, off_seconds = self.step_seconds(tier, batch), batch / off_rate
+        off_seconds = batch / off_rate
         if self._since_probe * self.probe_share * off_seconds < seconds - off_seconds:
             return None  # not yet: the steps off keep counting
         self._since_probe = 0
@@ -533,6 +557,8 @@ class _Scores:
     score: dict[Tier, float]  # what tiers are compared by: goodput, or the drain's tokens per second
     depths: dict[Tier, list[int]]  # each request's draft steps, in `ids` order
     steps: dict[Tier, dict[str, int]] = field(default_factory=dict)
+    # `_probe_candidates`: (off's goodput they were judged against, [(tier, seconds, upper goodput)])
+    probe: tuple[float, list[tuple[Tier, float, float]]] | None = None
 
     def steps_of(self, tier: Tier) -> dict[str, int]:
         """Each request's draft steps in `tier` (0 when off), made once per scoring."""
