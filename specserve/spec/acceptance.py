@@ -136,7 +136,9 @@ class AcceptanceTracker:
             out[request_id] = (
                 pooled
                 if own is None
-                else [(a + w) / (t + strength) for a, t, w in zip(own.accepted, own.tested, prior, strict=True)]
+                else [
+                    (a + w) / (t + strength) for a, t, w in zip(own.accepted, own.tested, prior, strict=True)
+                ]
             )
         return out
 

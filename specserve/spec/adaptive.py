@@ -293,12 +293,12 @@ class AdaptivePolicy:
 
     def _hopeless(self, batch: int) -> bool:
         """Whether, off at `batch`, no tier could be switched to or probed whatever the acceptance:
-        then the step is off without scoring a request (issue 9's H100 at batch 64: a step of the
-        1-chain cost 15.9 ms against a plain one's 4.4, and scoring the batch every step made the
-        plain steps ~1 ms dearer). A tier whose requests emit at most `num_steps` + 1 tokens a step
-        scores, by goodput or by the drain alike, at most (`num_steps` + 1) x a plain step's cost /
-        its least step cost times off's score. It rests on the cost tables alone, so it is kept per
-        batch for `rescore_every` decisions, as scores are."""
+        then the step is off without scoring a request (scoring the batch every step made issue 9's
+        plain steps on the H100 ~1 ms dearer at batch 64). A step whose deepest request drafts d
+        emits at most d + 1 tokens per request (goodput: the batch's tokens over the batch, at most
+        1 + d; the drain: its last request's, likewise), so a tier scores at most max over d of
+        (d + 1) x off's step / the least such a step costs, times off's score. It rests on the cost
+        tables alone, so it is kept per batch for `rescore_every` decisions, as scores are."""
         gate = self._gate
         if gate is not None and gate[0] == batch and gate[1] < self.rescore_every:
             self._gate = (batch, gate[1] + 1, gate[2])
@@ -308,23 +308,25 @@ class AdaptivePolicy:
         for tier in self.tiers:
             if tier.off:
                 continue
-            least = self._least_seconds(tier, batch)
-            bound = (tier.num_steps + 1) * off_seconds / least if least > 0 else float("inf")
             # `_probe`'s test: a probe needs a tier that could beat decoding were all drafts accepted
-            probe = tier.query_len * off_seconds > self.step_seconds(tier, batch)
-            if bound > 1 + self.hysteresis or probe:
+            if tier.query_len * off_seconds > self.step_seconds(tier, batch):
                 hopeless = False
+                break
+            for deepest in range(1, tier.num_steps + 1):
+                least = self._least_seconds(tier, batch, deepest)
+                if least <= 0 or (deepest + 1) * off_seconds > least * (1 + self.hysteresis):
+                    hopeless = False
+                    break
+            if not hopeless:
                 break
         self._gate = (batch, 1, hopeless)
         return hopeless
 
-    def _least_seconds(self, tier: Tier, batch: int) -> float:
-        """The least a step of `tier` over `batch` requests may cost, some drafting: one request or
-        all of them at each depth (the tables need not rise with width or batch everywhere)."""
+    def _least_seconds(self, tier: Tier, batch: int, deepest: int) -> float:
+        """The least a step of `tier` over `batch` requests may cost, the deepest drafting `deepest`:
+        that one alone, or all of them that deep (the tables need not rise with batch everywhere)."""
         return min(
-            self._step_seconds(tier, batch, d, drafting, d * drafting)
-            for d in range(1, tier.num_steps + 1)
-            for drafting in {1, batch}
+            self._step_seconds(tier, batch, deepest, drafting, deepest * drafting) for drafting in {1, batch}
         )
 
     def _stay_off(self, ids: tuple[str, ...]) -> Decision:
