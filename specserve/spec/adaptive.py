@@ -55,7 +55,10 @@ of its reach (the chance draft j survives), which never rises with depth, so eve
 a few lookups per request. While nothing was verified since (speculation off) and the batch is the
 same (its requests' remaining tokens all one step on), the scores change only as the cost tables
 drift, so they are kept for up to `rescore_every` decisions: the off path costs about a tuple
-comparison per step.
+comparison per step. Shadow drafts (`specserve/spec/shadow.py`) add evidence every plain step;
+it rescores every `shadow_rescore_every` decisions (scoring 64 requests after each step's took
+more host time than the plain step's own work). Off where no tier could win at the batch whatever
+the acceptance (`_hopeless`, from the cost tables alone), a decision reads no request at all.
 """
 
 from __future__ import annotations
