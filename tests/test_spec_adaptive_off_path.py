@@ -194,7 +194,15 @@ def test_shadow_drafts_start_only_where_their_evidence_could_change_the_decision
     lookups = []
     control.use_shadow(lambda tokens, seq, depth: lookups.append(len(tokens)) or [])
     control.overlapped_off = True
-    params = SimpleNamespace(max_new_tokens=10_000)
+    reads = []
+
+    class Params:  # counts how often the tokens each request has left are gathered
+        @property
+        def max_new_tokens(self) -> int:
+            reads.append(1)
+            return 10_000
+
+    params = Params()
     reqs = [
         SimpleNamespace(
             request_id=f"r{i}",
@@ -213,7 +221,8 @@ def test_shadow_drafts_start_only_where_their_evidence_could_change_the_decision
     for _ in range(5):
         assert control.decide(reqs).num_steps == 0
     assert control.policy.hopeless and not lookups
+    assert not reads  # off standing, no tier able to win: no request was read
     costs.profile(VERIFY, [(4, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 1 * MS)  # batch 4: tiers may win
     costs.profile(DRAFT, [(4, 1), (1, 1)], lambda b, w: 0.01 * MS)
     control.decide(reqs[:4])
-    assert not control.policy.hopeless and len(lookups) == 2
+    assert not control.policy.hopeless and len(lookups) == 2 and len(reads) == 4

@@ -147,7 +147,11 @@ class AdaptiveSpeculation:
         if not reqs:  # nothing decodes: keep the shape, nothing to decide
             self._steps, self._probe, self._decoding = {}, False, 0
             return settings_of(self.tier)
-        remaining = None if waiting else [r.params.max_new_tokens - r.num_output for r in reqs]
+        # Off where no tier could win (`AdaptivePolicy.stays_off`), the policy reads no request
+        if waiting or self.policy.stays_off(len(reqs)):
+            remaining = None
+        else:
+            remaining = [r.params.max_new_tokens - r.num_output for r in reqs]
         if self.shadow is not None:
             self.shadow.score(reqs)
         decision = self.policy.decide([r.request_id for r in reqs], remaining)

@@ -159,7 +159,8 @@ class AdaptivePolicy:
         self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
         self._scored: _Scores | None = None
         self._scored_age = 0
-        self._gate: tuple[int, int, bool] | None = None  # (batch, decisions since, hopeless)
+        self._gate: tuple[int, int, bool] | None = None  # (batch, `_decisions` when judged, hopeless)
+        self._decisions = 0
         self.hopeless = False  # the last decision was off with no tier able to win (`_hopeless`)
         self.current: Tier | None = None
         self.switches = 0
@@ -201,10 +202,8 @@ class AdaptivePolicy:
         tokens each may still emit, when no request waits to be admitted: the tiers are then judged
         by how soon the batch finishes (`draft_depths`), not by this step's tokens per second."""
         ids = tuple(request_ids)
-        off = self.current is not None and self.current.off and bool(ids)
-        if not off:
-            self._gate = None  # the cost tables moved on meanwhile: judged afresh when off again
-        self.hopeless = off and self._hopeless(len(ids))
+        self.hopeless = self.stays_off(len(ids))  # as the caller's own asking just before, if it did
+        self._decisions += 1
         if self.hopeless:
             return self._stay_off(ids)
         # Decoding moves every request on by one token: only a change beyond that rescores.
@@ -294,6 +293,14 @@ class AdaptivePolicy:
             "probe_interval": self.probe_interval,
         }
 
+    def stays_off(self, batch: int) -> bool:
+        """Whether the next decision over `batch` requests is off without reading them (`_hopeless`):
+        the caller need not gather what `decide` would not read (`remaining`)."""
+        if self.current is None or not self.current.off or not batch:
+            self._gate = None  # the cost tables move on meanwhile: judged afresh when off again
+            return False
+        return self._hopeless(batch)
+
     def _hopeless(self, batch: int) -> bool:
         """Whether, off at `batch`, no tier could be switched to or probed whatever the acceptance:
         then the step is off without scoring a request (scoring the batch every step made issue 9's
@@ -303,8 +310,7 @@ class AdaptivePolicy:
         (d + 1) x off's step / the least such a step costs, times off's score. It rests on the cost
         tables alone, so it is kept per batch for `rescore_every` decisions, as scores are."""
         gate = self._gate
-        if gate is not None and gate[0] == batch and gate[1] < self.rescore_every:
-            self._gate = (batch, gate[1] + 1, gate[2])
+        if gate is not None and gate[0] == batch and self._decisions - gate[1] < self.rescore_every:
             return gate[2]
         off_seconds = self.step_seconds(self.current, batch)
         hopeless = True
@@ -322,7 +328,7 @@ class AdaptivePolicy:
                     break
             if not hopeless:
                 break
-        self._gate = (batch, 1, hopeless)
+        self._gate = (batch, self._decisions, hopeless)
         return hopeless
 
     def _least_seconds(self, tier: Tier, batch: int, deepest: int) -> float:
