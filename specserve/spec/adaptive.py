@@ -136,7 +136,7 @@ class AdaptivePolicy:
         probe_every: int = 32,
         goodput_alpha: float = 0.1,
         rescore_every: int = 16,
-        shadow_rescore_every: int = 4,
+        shadow_rescore_every: int = 8,
         max_probe_every: int | None = None,
         probe_z: float = 1.0,
         overlapped_off: bool = False,
