@@ -19,7 +19,10 @@ every one of them read 3-5x slower than on a GPU host, where that work runs on t
 With `--adaptive` the engine runs adaptive n-gram speculation (tiers off, 1, 2, 4, 8) over text no
 drafter predicts (every lookup finds nothing), so the policy stays off: the figures are the policy's
 host cost on the off path (deciding, bookkeeping, probes) beside plain decoding's; the phase
-`adaptive` is what its own calls cost, and the steps each tier ran are printed.
+`adaptive` is what its own calls cost, and the steps each tier ran are printed. Where the CPU's cost
+tables leave no tier able to win whatever the acceptance (the policy's `_hopeless`), the policy
+stays off without scoring the batch; on the H100 at batch 16 and 64 a tier could (were every draft
+accepted) and the policy scores: `--score` makes it do so here too, which is the figure to compare.
 
 With `--spec ngram:N` or `--spec eagle3:N` the engine speculates with a chain of N drafts (n-gram
 lookup, or a seeded random EAGLE-3 head whose draft vocabulary is the `--logit-vocab` ids the target
@@ -276,6 +279,9 @@ def main() -> None:
     parser.add_argument(
         "--adaptive", action="store_true", help="adaptive n-gram speculation that finds no match: off"
     )
+    parser.add_argument(
+        "--score", action="store_true", help="with --adaptive: never take the off path that skips scoring"
+    )
     parser.add_argument("--count", action="store_true", help="count host-device copies and reads per step")
     parser.add_argument("--spec", help="speculate: ngram:N or eagle3:N (a random head), a chain of N drafts")
     args = parser.parse_args()
@@ -307,6 +313,9 @@ def main() -> None:
         )
     if args.adaptive:  # text no drafter predicts: every probe verifies nothing
         llm.engine.drafter.propose = lambda token_ids, max_tokens: []
+        policy = llm.engine.adaptive.policy
+        if args.score and hasattr(policy, "_hopeless"):  # as the H100 runs it (see the docstring)
+            policy._hopeless = lambda batch: False
     if args.logit_vocab:
         head = llm.engine.model.lm_head.weight[: args.logit_vocab].detach()
         llm.engine.model.compute_logits = lambda hidden: torch.nn.functional.linear(hidden, head).float()

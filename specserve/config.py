@@ -94,7 +94,7 @@ class AdaptiveConfig:
     prior_strength: float = 2.0
     cost_alpha: float = 0.2
     profile: bool = True
-    shadow_lookups: int = 8
+    shadow_lookups: int = 2
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"

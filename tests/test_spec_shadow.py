@@ -138,7 +138,8 @@ def test_the_policy_turns_speculation_on_over_a_loop_without_probes(target_llm_p
         runs[lookups] = adaptive
     assert runs[0].shadow is None and sum(n for t, n in runs[0].tier_steps.items() if t != OFF) == 0
     # With shadows the first few plain steps' lookups show the loop and the policy switches on
-    # (on the CPU: off 6 steps, then the 4-chain for the rest), with no probe.
+    # (on the CPU: off 10 steps, shadow evidence rescored every 8 decisions, then the 4-chain for the
+    # rest), with no probe.
     shadowed = runs[8]
     assert shadowed.shadow is not None and shadowed.shadow.scored > 0 and shadowed.policy.probes == 0
     assert shadowed.tier_steps[OFF] < 20 and sum(n for t, n in shadowed.tier_steps.items() if t != OFF) > 0

@@ -117,7 +117,7 @@ class AdaptiveSpeculation:
         depth = max(chains)
 
         def observe(request_id: str, drafted: int, accepted: int, batch: int) -> None:
-            self.acceptance.observe(request_id, 1, drafted, accepted, batch)
+            self.acceptance.observe(request_id, 1, drafted, accepted, batch, shadow=True)
 
         self.shadow = ShadowDrafts(lookup, depth, self._shadow_lookups, observe)
 
@@ -147,12 +147,17 @@ class AdaptiveSpeculation:
         if not reqs:  # nothing decodes: keep the shape, nothing to decide
             self._steps, self._probe, self._decoding = {}, False, 0
             return settings_of(self.tier)
-        remaining = None if waiting else [r.params.max_new_tokens - r.num_output for r in reqs]
+        # Off where no tier could win (`AdaptivePolicy.stays_off`), the policy reads no request
+        if waiting or self.policy.stays_off(len(reqs)):
+            remaining = None
+        else:
+            remaining = [r.params.max_new_tokens - r.num_output for r in reqs]
         if self.shadow is not None:
             self.shadow.score(reqs)
         decision = self.policy.decide([r.request_id for r in reqs], remaining)
         if self.shadow is not None and decision.tier.off:
-            self.shadow.start(reqs)
+            if not self.policy.hopeless:  # else no estimate could change the decision: no lookups
+                self.shadow.start(reqs)
         elif self.shadow is not None:
             self.shadow.drop()
         self.tier, self._steps = decision.tier, decision.steps

@@ -56,15 +56,31 @@ class AcceptanceTracker:
         self._pooled: dict[int, _Counts] = {}
         self._requests: dict[tuple[str, int], _Counts] = {}
         self._fades: dict[int, float] = {}  # batch -> the pool's fade per verify
-        self.version = 0  # counts observations: estimates read since are still current when unchanged
+        self.version = 0  # counts verifies' observations: estimates read since are current when unchanged
+        # Counts shadow drafts' observations (`specserve/spec/shadow.py`) apart: a few arrive every
+        # plain step, and rescoring the batch after each cost a plain step more host time than the
+        # step's own work at batch 16 on the H100; the policy reads them every few steps instead.
+        self.shadow_version = 0
 
-    def observe(self, request_id: str, topk: int, drafted: int, accepted: int, batch: int = 1) -> None:
+    def observe(
+        self,
+        request_id: str,
+        topk: int,
+        drafted: int,
+        accepted: int,
+        batch: int = 1,
+        shadow: bool = False,
+    ) -> None:
         """One verify of `request_id`'s draft of `drafted` tokens (depth, for a tree), `accepted` kept;
-        `batch`: the verifies of its step (the pool fades by `pooled_alpha` per step, not per verify)."""
+        `batch`: the verifies of its step (the pool fades by `pooled_alpha` per step, not per verify).
+        `shadow`: a shadow draft scored while speculation is off (counted in `shadow_version`)."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
         tested = min(drafted, accepted + 1, self.max_positions)
-        self.version += 1
+        if shadow:
+            self.shadow_version += 1
+        else:
+            self.version += 1
         key = (request_id, topk)
         if key not in self._requests:
             self._requests[key] = _Counts(self.max_positions)
@@ -110,11 +126,19 @@ class AcceptanceTracker:
     def rates_of(self, request_ids: Sequence[str], topk: int) -> dict[str, list[float]]:
         """`rates` of several requests, the pool's rates computed once."""
         pooled = self.pooled(topk)
+        strength = self.strength
+        prior = [strength * p for p in pooled]
+        requests = self._requests
         out = {}
         for request_id in request_ids:
-            own = self._requests.get((request_id, topk))
+            own = requests.get((request_id, topk))
+            # `_Counts.rate` inlined (the same arithmetic): a batch's rates are read every rescoring
             out[request_id] = (
-                pooled if own is None else [own.rate(i, p, self.strength) for i, p in enumerate(pooled)]
+                pooled
+                if own is None
+                else [
+                    (a + w) / (t + strength) for a, t, w in zip(own.accepted, own.tested, prior, strict=True)
+                ]
             )
         return out
 
@@ -145,12 +169,13 @@ class _Counts:
 
     def add(self, tested: int, accepted: int, alpha: float) -> None:
         keep = 1.0 - alpha
-        for i in range(len(self.tested)):
-            self.accepted[i] *= keep
-            self.tested[i] *= keep
+        # Faded by comprehension (each verify and shadow draft fades two of these per position)
+        self.accepted = [a * keep for a in self.accepted]
+        self.tested = [t * keep for t in self.tested]
         for i in range(tested):
             self.tested[i] += 1.0
-            self.accepted[i] += 1.0 if i < accepted else 0.0
+        for i in range(min(accepted, tested)):
+            self.accepted[i] += 1.0
 
     def rate(self, position: int, prior: float, strength: float) -> float:
         return (self.accepted[position] + strength * prior) / (self.tested[position] + strength)

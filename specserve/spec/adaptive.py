@@ -55,7 +55,10 @@ of its reach (the chance draft j survives), which never rises with depth, so eve
 a few lookups per request. While nothing was verified since (speculation off) and the batch is the
 same (its requests' remaining tokens all one step on), the scores change only as the cost tables
 drift, so they are kept for up to `rescore_every` decisions: the off path costs about a tuple
-comparison per step.
+comparison per step. Shadow drafts (`specserve/spec/shadow.py`) add evidence every plain step;
+it rescores every `shadow_rescore_every` decisions (scoring 64 requests after each step's took
+more host time than the plain step's own work). Off where no tier could win at the batch whatever
+the acceptance (`_hopeless`, from the cost tables alone), a decision reads no request at all.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class AdaptivePolicy:
         probe_every: int = 32,
         goodput_alpha: float = 0.1,
         rescore_every: int = 16,
+        shadow_rescore_every: int = 8,
         max_probe_every: int | None = None,
         probe_z: float = 1.0,
         overlapped_off: bool = False,
@@ -149,11 +153,15 @@ class AdaptivePolicy:
         self.max_probe_every = max_probe_every or 8 * probe_every
         self.probe_z, self.overlapped_off, self.draft_per_step = probe_z, overlapped_off, draft_per_step
         self.rescore_every, self.probe_share = rescore_every, probe_share
+        self.shadow_rescore_every = shadow_rescore_every
         self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
         self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
         self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
         self._scored: _Scores | None = None
         self._scored_age = 0
+        self._gate: tuple[int, int, bool] | None = None  # (batch, `_decisions` when judged, hopeless)
+        self._decisions = 0
+        self.hopeless = False  # the last decision was off with no tier able to win (`_hopeless`)
         self.current: Tier | None = None
         self.switches = 0
         self.measured_goodput = 0.0
@@ -175,7 +183,8 @@ class AdaptivePolicy:
         """A step of `tier` over `batch` requests, each drafting the tier's full depth."""
         if tier.off and self.overlapped_off and self.costs.knows(DECODE):
             return self.costs.estimate(DECODE, batch, 1)
-        return self._seconds(tier, batch, [tier.num_steps] * batch)
+        k = tier.num_steps
+        return self._step_seconds(tier, batch, k, batch if k else 0, batch * k)
 
     def verify_seconds(self, batch: int, tokens: int, deepest: int) -> float:
         """A target pass over `batch` requests of `tokens` tokens in all, the widest drafting
@@ -193,17 +202,26 @@ class AdaptivePolicy:
         tokens each may still emit, when no request waits to be admitted: the tiers are then judged
         by how soon the batch finishes (`draft_depths`), not by this step's tokens per second."""
         ids = tuple(request_ids)
+        self.hopeless = self.stays_off(len(ids))  # as the caller's own asking just before, if it did
+        self._decisions += 1
+        if self.hopeless:
+            return self._stay_off(ids)
         # Decoding moves every request on by one token: only a change beyond that rescores.
         lead = None if remaining is None else _lead(remaining)
         scored = self._scored
+        acceptance = self.acceptance
         if (
             scored is None
-            or scored.version != self.acceptance.version
+            or scored.version != acceptance.version
             or scored.ids != ids
             or scored.lead != lead
             or self._scored_age >= self.rescore_every
+            or (
+                scored.shadow_version != acceptance.shadow_version
+                and self._scored_age >= self.shadow_rescore_every
+            )
         ):
-            scored = self._scored = self._score(ids, remaining)
+            scored = self._scored = self._score(ids, remaining, lead)
             self._scored_age = 0
         self._scored_age += 1
         self.last_batch = len(ids)
@@ -275,7 +293,67 @@ class AdaptivePolicy:
             "probe_interval": self.probe_interval,
         }
 
-    def _score(self, ids: tuple[str, ...], remaining: Sequence[int] | None) -> _Scores:
+    def stays_off(self, batch: int) -> bool:
+        """Whether the next decision over `batch` requests is off without reading them (`_hopeless`):
+        the caller need not gather what `decide` would not read (`remaining`)."""
+        if self.current is None or not self.current.off or not batch:
+            self._gate = None  # the cost tables move on meanwhile: judged afresh when off again
+            return False
+        return self._hopeless(batch)
+
+    def _hopeless(self, batch: int) -> bool:
+        """Whether, off at `batch`, no tier could be switched to or probed whatever the acceptance:
+        then the step is off without scoring a request (scoring the batch every step made issue 9's
+        plain steps on the H100 ~1 ms dearer at batch 64). A step whose deepest request drafts d
+        emits at most d + 1 tokens per request (goodput: the batch's tokens over the batch, at most
+        1 + d; the drain: its last request's, likewise), so a tier scores at most max over d of
+        (d + 1) x off's step / the least such a step costs, times off's score. It rests on the cost
+        tables alone, so it is kept per batch for `rescore_every` decisions, as scores are."""
+        gate = self._gate
+        if gate is not None and gate[0] == batch and self._decisions - gate[1] < self.rescore_every:
+            return gate[2]
+        off_seconds = self.step_seconds(self.current, batch)
+        hopeless = True
+        for tier in self.tiers:
+            if tier.off:
+                continue
+            # `_probe`'s test: a probe needs a tier that could beat decoding were all drafts accepted
+            if tier.query_len * off_seconds > self.step_seconds(tier, batch):
+                hopeless = False
+                break
+            for deepest in range(1, tier.num_steps + 1):
+                least = self._least_seconds(tier, batch, deepest)
+                if least <= 0 or (deepest + 1) * off_seconds > least * (1 + self.hysteresis):
+                    hopeless = False
+                    break
+            if not hopeless:
+                break
+        self._gate = (batch, self._decisions, hopeless)
+        return hopeless
+
+    def _least_seconds(self, tier: Tier, batch: int, deepest: int) -> float:
+        """The least a step of `tier` over `batch` requests may cost, the deepest drafting `deepest`:
+        that one alone, or all of them that deep (the tables need not rise with batch everywhere)."""
+        return min(
+            self._step_seconds(tier, batch, deepest, drafting, deepest * drafting) for drafting in {1, batch}
+        )
+
+    def _stay_off(self, ids: tuple[str, ...]) -> Decision:
+        """`decide` where `_hopeless`: off, as scoring would have decided (no challenger, no probe:
+        `_probe`'s count of steps off runs on as it would), without reading any request's estimates."""
+        batch = len(ids)
+        self._challenger, self._streak = None, 0
+        self._scored_age += 1
+        self.last_batch = batch
+        self._since_probe += 1
+        if self._since_probe >= self.probe_interval:
+            self._since_probe = 0  # what `_probe` does when no tier is hopeful
+        off = self.current
+        return Decision(off, dict.fromkeys(ids, 0), batch / self.step_seconds(off, batch), False)
+
+    def _score(
+        self, ids: tuple[str, ...], remaining: Sequence[int] | None, lead: tuple[int, ...] | None = None
+    ) -> _Scores:
         """Each tier's depths per request, predicted goodput and score over `ids`: every request's
         rates read once, per topk."""
         batch = len(ids)
@@ -315,8 +393,10 @@ class AdaptivePolicy:
             if not tier.off and not any(chosen):
                 score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
             depths[tier] = chosen
-        lead = None if remaining is None else _lead(remaining)
-        return _Scores(ids, self.acceptance.version, left, lead, goodput, score, depths)
+        if lead is None and remaining is not None:
+            lead = _lead(remaining)
+        acceptance = self.acceptance
+        return _Scores(ids, acceptance.version, acceptance.shadow_version, left, lead, goodput, score, depths)
 
     def _depths(self, tier: Tier, rows: list[tuple[list[float], int]], left: list[int] | None) -> list[int]:
         """Each request's draft steps in `tier` (see `draft_depths` for an n-gram chain)."""
@@ -338,12 +418,15 @@ class AdaptivePolicy:
     def _seconds(self, tier: Tier, batch: int, depths: Sequence[int]) -> float:
         """A step of `tier` whose requests draft `depths` (0: decodes in the pass): the verify, and
         the draft of those drafting (`deepest` steps of a model drafter, one lookup each of n-gram)."""
-        deepest = max(depths, default=0)
-        drafting = sum(1 for d in depths if d)
+        drafting = len(depths) - depths.count(0) if isinstance(depths, list) else sum(1 for d in depths if d)
+        return self._step_seconds(tier, batch, max(depths, default=0), drafting, sum(depths))
+
+    def _step_seconds(self, tier: Tier, batch: int, deepest: int, drafting: int, drafts: int) -> float:
+        """`_seconds` from the depths' aggregates: the deepest, how many draft, the drafts in all."""
         if tier.topk > 1:
             seconds = self.costs.estimate(VERIFY, batch, tier.query_len)
         else:
-            seconds = self.verify_seconds(batch, batch + sum(depths), deepest)
+            seconds = self.verify_seconds(batch, batch + drafts, deepest)
         if drafting:
             draft = self.costs.estimate(DRAFT, drafting, tier.topk)
             seconds += deepest * draft if self.draft_per_step else draft
@@ -379,10 +462,28 @@ class AdaptivePolicy:
             self._idle[rid] = idle
         return out
 
-    def _upper_goodput(self, tier: Tier, batch: int) -> float:
-        """`tier`'s goodput over `batch` requests under the pooled upper confidence bounds."""
+    def _upper_goodput(self, tier: Tier, batch: int, seconds: float | None = None) -> float:
+        """`tier`'s goodput over `batch` requests under the pooled upper confidence bounds (`seconds`:
+        its step's, when known)."""
         upper = expected_prefix(self.acceptance.pooled_upper(tier.topk, self.probe_z))
-        return batch * upper[min(tier.num_steps, len(upper) - 1)] / self.step_seconds(tier, batch)
+        seconds = self.step_seconds(tier, batch) if seconds is None else seconds
+        return batch * upper[min(tier.num_steps, len(upper) - 1)] / seconds
+
+    def _probe_candidates(self, scored: _Scores, off_rate: float) -> list[tuple[Tier, float, float]]:
+        """The tiers `_probe` may pick, each with its step's seconds and its goodput under the upper
+        bounds, made once per scoring: while a dear probe waits for its share of the time off (at
+        batch 64, ~90 steps) `_probe` asks every step, and pricing each tier over the batch anew
+        cost a plain step ~50 µs of host time there."""
+        if scored.probe is None or scored.probe[0] != off_rate:
+            batch, out = len(scored.ids), []
+            for tier in self.tiers:
+                if tier.off:
+                    continue
+                seconds = self.step_seconds(tier, batch)
+                if batch * tier.query_len / seconds > off_rate:
+                    out.append((tier, seconds, self._upper_goodput(tier, batch, seconds)))
+            scored.probe = (off_rate, out)
+        return scored.probe[1]
 
     def _probe(self, scored: _Scores) -> Tier | None:
         """A speculative tier to probe with, once every `probe_interval` steps with speculation off:
@@ -397,14 +498,14 @@ class AdaptivePolicy:
         # Only a tier that could win were every draft accepted is worth a probe (at a large batch,
         # where drafting and a wide verify cost several decode steps, none may be).
         off_rate = scored.goodput[self.current]
-        hopeful = [t for t in speculative if batch * t.query_len / self.step_seconds(t, batch) > off_rate]
+        hopeful = self._probe_candidates(scored, off_rate)
         if not hopeful:
             self._since_probe = 0
             return None
-        tier = max(hopeful, key=lambda t: self._upper_goodput(t, batch))
+        tier, seconds, _ = max(hopeful, key=lambda c: c[2])
         # A probe that loses costs its step beyond a decode step: probe seldom enough that this
         # stays within `probe_share` of the time off (at batch 64 a probe costs ~2 decode steps).
-        seconds, off_seconds = self.step_seconds(tier, batch), batch / off_rate
+        off_seconds = batch / off_rate
         if self._since_probe * self.probe_share * off_seconds < seconds - off_seconds:
             return None  # not yet: the steps off keep counting
         self._since_probe = 0
@@ -460,12 +561,15 @@ class _Scores:
 
     ids: tuple[str, ...]
     version: int
+    shadow_version: int  # the shadow drafts' observations it saw (rescored every few decisions)
     left: list[int] | None  # tokens each may still emit, scored by the drain (nobody waits); else None
     lead: tuple[int, ...] | None  # `left` less its least: what one more decode step leaves as it is
     goodput: dict[Tier, float]  # predicted tokens per second of a step
     score: dict[Tier, float]  # what tiers are compared by: goodput, or the drain's tokens per second
     depths: dict[Tier, list[int]]  # each request's draft steps, in `ids` order
     steps: dict[Tier, dict[str, int]] = field(default_factory=dict)
+    # `_probe_candidates`: (off's goodput they were judged against, [(tier, seconds, upper goodput)])
+    probe: tuple[float, list[tuple[Tier, float, float]]] | None = None
 
     def steps_of(self, tier: Tier) -> dict[str, int]:
         """Each request's draft steps in `tier` (0 when off), made once per scoring."""

@@ -36,6 +36,7 @@ Observe = Callable[[str, int, int, int], None]
 
 @dataclass
 class _Shadow:
+    req: Request
     anchor: int  # the position the draft's first token stands for
     draft: list[int]
     matched: int = 0
@@ -51,12 +52,15 @@ class ShadowDrafts:
     def score(self, reqs: Sequence[Request]) -> None:
         """Before a step over `reqs` is decided: the shadows their known tokens now settle go to the
         acceptance estimates."""
+        if not self._open:
+            return
         batch = len(reqs)
-        for req in reqs:
-            shadow = self._open.get(req.request_id)
-            if shadow is not None and self._settled(req, shadow):
-                del self._open[req.request_id]
-                self.observe(req.request_id, self.depth, shadow.matched, batch)
+        # The open shadows only (a few), not the batch: each belongs to a running request (`forget`
+        # drops a finished one's), and its known tokens decide it wherever it is scheduled.
+        for request_id, shadow in list(self._open.items()):
+            if self._settled(shadow.req, shadow):
+                del self._open[request_id]
+                self.observe(request_id, self.depth, shadow.matched, batch)
                 self.scored += 1
 
     def start(self, reqs: Sequence[Request]) -> None:
@@ -82,7 +86,7 @@ class ShadowDrafts:
             return
         tokens = req.token_mirror.first(req.token_ids, known)
         draft = self.lookup(tokens, req.token_ids, self.depth)  # reads the list below `known` only
-        self._open[req.request_id] = _Shadow(known, draft)
+        self._open[req.request_id] = _Shadow(req, known, draft)
 
     @staticmethod
     def _settled(req: Request, shadow: _Shadow) -> bool:
