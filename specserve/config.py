@@ -215,8 +215,8 @@ class SpeculativeConfig:
     # Adaptive speculation: None runs the shape above every step.
     adaptive: AdaptiveConfig | None = None
     # Speculative steps queued back to back on the device between two reads of their tokens by the
-    # host (greedy n-gram chains: specserve/engine/device_loop.py); None: DEVICE_STEPS where the loop
-    # applies (CUDA graphs, TP size 1, no adaptive speculation), 0: never.
+    # host (greedy n-gram chains, adaptive speculation's chain tiers too: specserve/engine/device_loop.py);
+    # None: DEVICE_STEPS where the loop applies (CUDA graphs, TP size 1), 0: never.
     device_steps: int | None = None
 
     def validate(self) -> None:
@@ -268,9 +268,9 @@ class SpeculativeConfig:
             "must be null or an integer in [0, 64]",
         )
         _require(
-            not self.device_steps or (self.method == "ngram" and self.topk == 1 and self.adaptive is None),
+            not self.device_steps or (self.method == "ngram" and (self.topk == 1 or self.adaptive is not None)),
             "speculative.device_steps",
-            "the device loop runs n-gram chains (method ngram, topk 1) without adaptive speculation",
+            "the device loop runs n-gram chains (method ngram; topk 1, or adaptive speculation's chain tiers)",
         )
 
     @property

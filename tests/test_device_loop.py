@@ -169,6 +169,21 @@ def test_context_end(small_vocab_target, launches):
     assert launches
 
 
+def test_adaptive_tiers(small_vocab_target, launches):
+    """Adaptive speculation: each chain tier has its loop; whatever the policy picks, the tokens
+    are plain greedy decoding's."""
+    prompts = _prompts(3, seed=13)
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"tiers": ["off", 2, 4]}, "device_steps": 4}
+    llm = _llm(small_vocab_target, spec)
+    assert sorted(llm.engine.device_loops) == [2, 4]
+    looped = llm.generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    single = llm.generate(prompts[:1], params)[0]
+    assert single.token_ids == plain[0].token_ids
+
+
 def test_settings():
     with pytest.raises(ValueError, match="speculative.device_steps"):
         SpeculativeConfig(method="ngram", num_steps=4, topk=2, device_steps=4).validate()

@@ -184,6 +184,18 @@ class AdaptiveSpeculation:
             if self._probe:
                 self._emitted_by[req.request_id] = kept + 1
 
+    @property
+    def probing(self) -> bool:
+        """This step runs a probe (its goodput is measured from the step itself)."""
+        return self._probe
+
+    def observe_chain(self, req: Request, depth: int, accepted: int, batch: int) -> None:
+        """A verify the device loop ran (a chain of `depth` drafts over `batch` requests): its
+        acceptance, whatever tier the policy has moved to since the run was launched. The loop's
+        steps price nothing: its steps cost what the profiled passes do, with no host between."""
+        if depth > 0:
+            self.acceptance.observe(req.request_id, 1, depth, min(accepted, depth), batch)
+
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
         seconds = phases.get("step")

@@ -245,6 +245,7 @@ class DeviceLoop:
 class LoopFlight:
     """A launched run the host has not read yet."""
 
+    loop: DeviceLoop
     reqs: list[Request]
     limits: list[int]
     steps: int
@@ -262,26 +263,36 @@ def plan_steps(lengths: list[int], limits: list[int], ahead: int, rate: float, m
     return min(most, need)
 
 
-def make_device_loop(
+def make_device_loops(
     spec: SpeculativeConfig | None, graphs: CudaGraphs | None, max_context: int, single_rank: bool
-) -> tuple[DeviceLoop | None, int]:
-    """The engine's loop and its steps a run; (None, 0) where it does not apply. `single_rank`: TP
-    size 1 and a plain decoder (followers replay only what rank 0 broadcasts; a hybrid's states
-    commit per verify on the host)."""
-    if spec is None:
-        return None, 0
-    applies = spec.method == "ngram" and spec.topk == 1 and spec.adaptive is None
-    steps = spec.device_steps if spec.device_steps is not None else (DEVICE_STEPS if applies else 0)
+) -> tuple[dict[int, DeviceLoop], int]:
+    """The engine's loops by chain length (the configured chain, or with adaptive speculation each
+    chain tier's) and their steps a run; none where the loop does not apply. `single_rank`: TP size
+    1 and a plain decoder (followers replay only what rank 0 broadcasts; a hybrid's states commit
+    per verify on the host)."""
+    if spec is None or spec.method != "ngram":
+        return {}, 0
+    steps = spec.device_steps if spec.device_steps is not None else DEVICE_STEPS
     if steps <= 0:
-        return None, 0
+        return {}, 0
     if graphs is None or not single_rank:
         if spec.device_steps is not None:
             raise ValueError(
-                "speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 and a decoder without recurrent layers"
+                "speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 "
+                "and a decoder without recurrent layers"
             )
-        return None, 0
-    loop = DeviceLoop(graphs, spec.num_steps, spec.ngram_min_match, spec.ngram_max_match, max_context)
-    return (loop, steps) if loop.batch_sizes else (None, 0)
+        return {}, 0
+    if spec.adaptive is not None:
+        from specserve.spec.adaptive import configured_tiers
+
+        lengths = sorted({t.num_steps for t in configured_tiers(spec) if not t.off and t.topk == 1})
+    else:
+        lengths = [spec.num_steps] if spec.topk == 1 else []
+    loops = {
+        k: DeviceLoop(graphs, k, spec.ngram_min_match, spec.ngram_max_match, max_context) for k in lengths
+    }
+    loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
+    return loops, (steps if loops else 0)
 
 
 def loop_ready(req: Request) -> bool:

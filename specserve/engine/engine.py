@@ -22,7 +22,14 @@ from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig, SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.cost_profile import profile_step_costs
-from specserve.engine.device_loop import LoopFlight, LoopOutput, loop_ready, make_device_loop, plan_steps
+from specserve.engine.device_loop import (
+    DeviceLoop,
+    LoopFlight,
+    LoopOutput,
+    loop_ready,
+    make_device_loops,
+    plan_steps,
+)
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
@@ -112,7 +119,7 @@ class Engine:
         if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
             chain, depth = _draft_depths(config.speculative)
             self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len)
-        self.device_loop, self._loop_steps = make_device_loop(
+        self.device_loops, self._loop_steps = make_device_loops(
             config.speculative if self.drafter is not None else None,
             self.runner.graphs,
             self.max_model_len,
@@ -225,10 +232,12 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.adaptive is not None:
             outputs.extend(self._choose_tier())
-        looped = self._loop_step() if self.device_loop is not None else None
+        looped = self._loop_step() if self.device_loops else None
         if looped is not None:
             outputs.extend(looped)
             stats.stop_clock()
+            if self.adaptive is not None:  # a loop run prices nothing; the next step follows none
+                self.adaptive.idle()
             self._end_step(outputs)
             return outputs
         self._propose_drafts()
@@ -563,13 +572,24 @@ class Engine:
         self._while_device_works()
         return self._loop_settle(flight, chained=self._loop_flight is not None)
 
+    @property
+    def device_loop(self) -> DeviceLoop | None:
+        """The loop of this step's chain length, if there is one (with adaptive speculation: of the
+        tier the policy chose; not for a probe, which is measured step by step)."""
+        shape = self.spec_settings
+        if shape.topk != 1 or (self.adaptive is not None and self.adaptive.probing):
+            return None
+        return self.device_loops.get(shape.num_steps)
+
     def _loop_launch(self, flight: LoopFlight | None) -> LoopFlight | None:
         """A run over every running request when all are ready for the loop and none waits, with
         pages for every position it may reach; None otherwise."""
         loop, reqs = self.device_loop, self.scheduler.running
-        if self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
+        if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
             return None
-        if (flight is not None and reqs != flight.reqs) or not all(loop_ready(r) for r in reqs):
+        if flight is not None and (reqs != flight.reqs or loop is not flight.loop):
+            return None
+        if not all(loop_ready(r) for r in reqs):
             return None
         if flight is None:
             limits = [max(loop.limit(r, self.max_model_len), len(r.token_ids)) for r in reqs]
@@ -588,20 +608,20 @@ class Engine:
                 return None
         stops = [sorted(_stop_ids(r)) for r in reqs]
         records = loop.launch(reqs, limits, stops, steps, resume=flight is not None)
-        return LoopFlight(list(reqs), limits, steps, records)
+        return LoopFlight(loop, list(reqs), limits, steps, records)
 
     def _loop_settle(self, flight: LoopFlight, chained: bool) -> list[RequestOutput]:
         """Each request's tokens of a run, appended as its synchronous verifies would have, step by
         step, up to the first that ends it. `chained`: a run over the same requests is in flight,
         writing KV into pages reserved past these tokens: they stay."""
-        result = self.device_loop.collect(flight.records)
+        result = flight.loop.collect(flight.records)
         self._stats.lap("target")
         self._loop_rate = _loop_rate(self._loop_rate, result)
         outputs = []
         for index, req in enumerate(flight.reqs):
             if req.finished:  # aborted meanwhile: its row ran on, for nothing
                 continue
-            reason, delta = self._loop_append(req, result, index, flight.steps)
+            reason, delta = self._loop_append(req, result, index, flight)
             if reason is not None:
                 self.kv.commit(req, self._cacheable(req))
                 self._finish(req, reason)  # a run still in flight writes these pages first
@@ -618,15 +638,18 @@ class Engine:
         return outputs
 
     def _loop_append(
-        self, req: Request, result: LoopOutput, index: int, steps: int
+        self, req: Request, result: LoopOutput, index: int, flight: LoopFlight
     ) -> tuple[dict | None, list[int]]:
         delta: list[int] = []
-        for step in range(steps):
+        for step in range(flight.steps):
             tokens = result.emitted(step, index)
             if not tokens:
                 break
             req.num_computed = len(req.token_ids) + len(tokens) - 1
-            self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1)
+            drafted = int(result.drafted[step, index])
+            self._count_verify(req, drafted, len(tokens) - 1, adaptive=False)
+            if self.adaptive is not None:
+                self.adaptive.observe_chain(req, drafted, len(tokens) - 1, len(flight.reqs))
             reason, added = self._append(req, tokens, None)
             delta += added
             if reason is not None:
@@ -853,9 +876,9 @@ class Engine:
             return req.num_computed
         return min(req.num_computed, req.draft_computed)
 
-    def _count_verify(self, req: Request, drafted: int, accepted: int) -> None:
+    def _count_verify(self, req: Request, drafted: int, accepted: int, adaptive: bool = True) -> None:
         self._stats.count_verify(drafted, accepted)
-        if self.adaptive is not None:
+        if adaptive and self.adaptive is not None:
             self.adaptive.observe_verify(req, accepted)
         req.spec_verify_ct += 1
         req.spec_draft_tokens += drafted
