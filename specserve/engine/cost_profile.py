@@ -27,8 +27,11 @@ from specserve.types import SamplingParams
 
 if TYPE_CHECKING:
     from specserve.engine.adaptive_control import AdaptiveSpeculation
+    from specserve.engine.device_loop import DeviceLoop
     from specserve.engine.engine import Engine
 
+LOOP_PROFILE_STEPS = 8  # device-loop steps timed back to back, as a run queues them
+LOOP_DRAFT_SECONDS = 1e-6  # a loop tier's draft step: on the device, inside its step's time
 NGRAM_TOKENS = 512  # the sequence an n-gram lookup scans while profiled (a prompt plus an answer)
 CPU_BATCH = 8
 _PARAMS = SamplingParams(max_new_tokens=1, temperature=0.0)
@@ -45,11 +48,14 @@ def profile_step_costs(engine: Engine, adaptive: AdaptiveSpeculation) -> None:
     batches = profile_batches(engine)
     lens = sorted({t.query_len for t in adaptive.tiers})
     shapes = [(b, q) for b in batches for q in lens]
-    adaptive.costs.profile(VERIFY, shapes, lambda b, q: time_target(engine, b, q, repeats))
+    adaptive.costs.profile(VERIFY, shapes, lambda b, q: time_pass(engine, b, q, repeats))
     deepest: dict[int, Tier] = {}
     for tier in adaptive.tiers:
         if not tier.off and tier.num_steps >= deepest.get(tier.topk, tier).num_steps:
             deepest[tier.topk] = tier
+    if engine.device_loops:  # the loop drafts on the device, in its step: no host lookup to price
+        deepest.pop(1, None)
+        adaptive.costs.profile(DRAFT, [(b, 1) for b in batches], lambda b, _: LOOP_DRAFT_SECONDS)
     for topk, tier in deepest.items():
         adaptive.costs.profile(
             DRAFT, [(b, topk) for b in batches], lambda b, _, t=tier: time_draft(engine, b, t, repeats)
@@ -65,6 +71,29 @@ def profile_batches(engine: Engine) -> list[int]:
     if engine.device.type == "cuda":
         return sorted({min(1 << i, most) for i in range(most.bit_length() + 1)})
     return sorted({1, min(CPU_BATCH, most)})
+
+
+def time_pass(engine: Engine, batch: int, query_len: int, repeats: int) -> float:
+    """A verify's cost as the engine will run it: a device-loop step where a loop runs chains of
+    that length (the loop's captured iteration, no host between steps), else a synchronous pass."""
+    loop = engine.device_loops.get(query_len - 1)
+    if loop is not None and batch <= loop.max_batch:
+        return time_loop_step(loop, batch, repeats)
+    return time_target(engine, batch, query_len, repeats)
+
+
+def time_loop_step(loop: DeviceLoop, batch: int, repeats: int) -> float:
+    """Seconds of one device-loop step over `batch` rows (the bucket's; inactive rows, the same
+    kernels), from back-to-back steps as a run queues them."""
+    bucket = next(b for b in loop.batch_sizes if b >= batch)
+    loop.reset_rows(bucket)
+    graph = loop.loop_graphs.get(bucket)
+
+    def run() -> None:
+        for _ in range(LOOP_PROFILE_STEPS):
+            graph.replay() if graph is not None else loop.step_once(bucket)
+
+    return median_seconds(run, repeats, loop.hist.device) / LOOP_PROFILE_STEPS
 
 
 def time_target(engine: Engine, batch: int, query_len: int, repeats: int) -> float:

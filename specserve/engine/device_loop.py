@@ -182,11 +182,20 @@ class DeviceLoop:
         done.record()
         return LoopRecords(host, done)
 
+    def reset_rows(self, batch: int) -> None:
+        """Every row of `batch` inactive (length 1, limit 0): a step over them appends nothing and
+        writes KV only to the dummy slot (captures, profiles)."""
+        self.lengths[:batch].fill_(1)
+        self.limits[:batch].zero_()
+
+    def step_once(self, batch: int) -> None:
+        """One uncaptured step of the first `batch` rows (the CPU's loop; profiles)."""
+        self._iteration(batch)
+
     def _capture_all(self) -> None:
         pool = self.graphs.pool
         for batch in sorted(self.batch_sizes, reverse=True):
-            self.lengths.fill_(1)
-            self.limits.zero_()  # every row inactive: the warm-up and capture runs append nothing
+            self.reset_rows(self.max_batch)  # the warm-up and capture runs append nothing
             graph, _ = capture(lambda batch=batch: self._iteration(batch), pool)
             self.loop_graphs[batch] = graph
             pool = graph.pool()
