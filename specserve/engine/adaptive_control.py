@@ -196,6 +196,11 @@ class AdaptiveSpeculation:
         if depth > 0:
             self.acceptance.observe(req.request_id, 1, depth, min(accepted, depth), batch)
 
+    def observe_loop(self, batch: int, depth: int, seconds: float) -> None:
+        """What a device-loop step of chains `depth` long over `batch` requests took, read from a
+        run the device ran back to back (its contexts are real, where the profile's are empty)."""
+        self.costs.observe(VERIFY, batch, depth + 1, seconds)
+
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
         seconds = phases.get("step")

@@ -259,6 +259,7 @@ class LoopFlight:
     limits: list[int]
     steps: int
     records: LoopRecords
+    resumed: bool  # queued behind the run before: from its settle to its own, the device ran it alone
 
 
 def plan_steps(lengths: list[int], limits: list[int], ahead: int, rate: float, most: int) -> int:

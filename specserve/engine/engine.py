@@ -126,6 +126,7 @@ class Engine:
             self.tp.size == 1 and self.states is None,
         )
         self._loop_flight: LoopFlight | None = None
+        self._loop_settled: LoopFlight | None = None  # the run this step read, for the policy
         self._loop_rate = 1.0  # tokens a loop step gives an active request, lately
         self._overlap = config.use_overlap() and self.drafter is None
         # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
@@ -236,8 +237,8 @@ class Engine:
         if looped is not None:
             outputs.extend(looped)
             stats.stop_clock()
-            if self.adaptive is not None:  # a loop run prices nothing; the next step follows none
-                self.adaptive.idle()
+            if self.adaptive is not None:
+                self._observe_loop(stats)
             self._end_step(outputs)
             return outputs
         self._propose_drafts()
@@ -608,7 +609,7 @@ class Engine:
                 return None
         stops = [sorted(_stop_ids(r)) for r in reqs]
         records = loop.launch(reqs, limits, stops, steps, resume=flight is not None)
-        return LoopFlight(loop, list(reqs), limits, steps, records)
+        return LoopFlight(loop, list(reqs), limits, steps, records, resumed=flight is not None)
 
     def _loop_settle(self, flight: LoopFlight, chained: bool) -> list[RequestOutput]:
         """Each request's tokens of a run, appended as its synchronous verifies would have, step by
@@ -616,6 +617,7 @@ class Engine:
         writing KV into pages reserved past these tokens: they stay."""
         result = flight.loop.collect(flight.records)
         self._stats.lap("target")
+        self._loop_settled = flight
         self._loop_rate = _loop_rate(self._loop_rate, result)
         outputs = []
         for index, req in enumerate(flight.reqs):
@@ -636,6 +638,16 @@ class Engine:
                 outputs.append(out)
         self._stats.lap("postprocess")
         return outputs
+
+    def _observe_loop(self, stats: StepStats) -> None:
+        """A step that settled a run queued behind the one before it lasted as long as the device
+        took for that run (the host appended the one before meanwhile): its steps' price, steady,
+        for the adaptive policy. The next step follows no step of its own shape."""
+        flight, self._loop_settled = self._loop_settled, None
+        seconds = stats.phases.get("step")
+        if flight is not None and flight.resumed and seconds:
+            self.adaptive.observe_loop(len(flight.reqs), flight.loop.num_steps, seconds / flight.steps)
+        self.adaptive.idle()
 
     def _loop_append(
         self, req: Request, result: LoopOutput, index: int, flight: LoopFlight
