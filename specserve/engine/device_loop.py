@@ -22,8 +22,11 @@ Per iteration and request (the verify bucket's static inputs written on the devi
   runs on every token, stop strings included, and cuts the same place or earlier); a request that
   reached its limit or a stop id turns inactive: its rows still run (fixed shapes) but write their
   KV to the dummy slot and append nothing.
-Tokens past a stop only cost the loop's remaining iterations; the caller picks `iterations` no
-larger than the most tokens any request may still emit.
+The engine queues the next run over the same requests before it reads a run's records
+(`launch(resume=True)`: the state stays on the device), so the host's appending hides behind the
+device. Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes a run by the
+tokens a step has lately given. With adaptive speculation each chain tier has a loop, run for the
+tier the policy holds (`Engine.device_loop`).
 """
 
 from __future__ import annotations
