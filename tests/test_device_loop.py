@@ -216,3 +216,20 @@ def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launche
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got_one.token_ids == want[0].token_ids
     assert launches
+
+
+def test_loop_verifies_count_short_drafts_as_misses():
+    """A loop verify feeds the estimates as a synchronous one does: a lookup shorter than the tier
+    is rejected just past its end, so the deep positions are not taken for certain."""
+    from types import SimpleNamespace
+
+    from specserve.engine.adaptive_control import AdaptiveSpeculation
+
+    spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}})
+    control = AdaptiveSpeculation(spec)
+    req = SimpleNamespace(request_id="r")
+    for _ in range(40):  # every draft came out 2 long and was accepted whole
+        control.observe_chain(req, 8, 2, batch=1)
+    rates = control.acceptance.rates("r", 1)
+    assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] < 0.1
+    assert control.acceptance.expected_tokens("r", 1, 8) < 3.2

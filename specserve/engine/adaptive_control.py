@@ -190,9 +190,12 @@ class AdaptiveSpeculation:
         return self._probe
 
     def observe_chain(self, req: Request, depth: int, accepted: int, batch: int) -> None:
-        """A verify the device loop ran (a chain of `depth` drafts over `batch` requests): its
-        acceptance, whatever tier the policy has moved to since the run was launched. The loop's
-        steps price nothing: its steps cost what the profiled passes do, with no host between."""
+        """A verify the device loop ran (a chain tier `depth` deep over `batch` requests), its
+        acceptance, whatever tier the policy has moved to since the run was launched. As for a
+        synchronous verify (`observe_verify`: the budget, not the lookup's length), a draft that
+        came out shorter than the tier counts as rejected past its end: what a chain that deep gains
+        is what the lookups give, short ones included (counting only the drafted positions, the
+        policy expected 2.2 tokens a verify of the 8-chain at batch 64 where 1.72 came)."""
         if depth > 0:
             self.acceptance.observe(req.request_id, 1, depth, min(accepted, depth), batch)
 

@@ -657,11 +657,11 @@ class Engine:
             tokens = result.emitted(step, index)
             if not tokens:
                 break
+            if self.adaptive is not None:  # a lookup that came out short is a miss past its end
+                depth = min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1)
+                self.adaptive.observe_chain(req, depth, len(tokens) - 1, len(flight.reqs))
             req.num_computed = len(req.token_ids) + len(tokens) - 1
-            drafted = int(result.drafted[step, index])
-            self._count_verify(req, drafted, len(tokens) - 1, adaptive=False)
-            if self.adaptive is not None:
-                self.adaptive.observe_chain(req, drafted, len(tokens) - 1, len(flight.reqs))
+            self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
             reason, added = self._append(req, tokens, None)
             delta += added
             if reason is not None:
