@@ -12,68 +12,53 @@ LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replay
 
 import gc
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from specserve import LLM, SamplingParams
 from specserve.bench_data import prompt_texts
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import chat_prompt_ids
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ (python -P leaves it out)
+from profile_verify import kernel_table, replay_us  # noqa: E402
+
 BATCHES = [int(b) for b in os.environ.get("LOOP_BATCHES", "1,16,64").split(",")]
 STEPS = [int(s) for s in os.environ.get("LOOP_STEPS", "8").split(",")]
-REPLAYS = 100
-
-
-def replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / REPLAYS * 1e6
-
-
-def glue_kernels(graph: torch.cuda.CUDAGraph) -> None:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = sorted(
-        ((e.key, e.self_device_time_total / 20, e.count // 20) for e in prof.key_averages()),
-        key=lambda r: -r[1],
-    )
-    print(f"  loop iteration: {sum(us for _, us, _ in rows):.1f} us of kernels, {sum(c for *_, c in rows)} launches")
-    for name, us, count in rows[:25]:
-        print(f"  {us:8.1f} us {count:4d}x  {name[:90]}")
 
 
 def main() -> None:
     loaded = load_model("smollm2-135m-instruct", torch.device("cuda"), torch.bfloat16)
     texts = prompt_texts("mt-bench", seed=0)[: max(BATCHES)]
     prompts = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    print("| batch | steps | verify replay us | loop iteration us | glue us | wall us / iteration | tokens / verify | tok/s |")
+    print(
+        "| batch | steps | verify replay us | loop iteration us | glue us | wall us / iteration | tokens / verify | tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for steps in STEPS:
         for batch in BATCHES:
-            llm = LLM(loaded, speculative={"method": "ngram", "num_steps": steps, "device_steps": 8},
-                      cuda_graph_max_batch=max(BATCHES), max_total_tokens=1 << 17)
+            llm = LLM(
+                loaded,
+                speculative={"method": "ngram", "num_steps": steps, "device_steps": 8},
+                cuda_graph_max_batch=max(BATCHES),
+                max_total_tokens=1 << 17,
+            )
             engine = llm.engine
             loop = engine.device_loop
             bucket = next(b for b in loop.batch_sizes if b >= batch)
             verify = replay_us(engine.runner.graphs.graphs[(bucket, steps + 1)].graph)
             iteration = replay_us(loop.loop_graphs[bucket])
             if os.environ.get("LOOP_KERNELS") and batch == 1:
-                glue_kernels(loop.loop_graphs[bucket])
+                kernel_table(loop.loop_graphs[bucket], "  loop step", top=25)
             params = SamplingParams(max_new_tokens=256, temperature=0.0, ignore_eos=True)
             llm.generate(prompts[:batch], params)  # warm-up
             launches = []
             original = loop.launch
 
-            def counting(*args, original=original, **kwargs):
+            def counting(*args, original=original, launches=launches, **kwargs):
                 launches.append(args[3])
                 return original(*args, **kwargs)
 
@@ -85,8 +70,10 @@ def main() -> None:
             tokens = sum(len(o.token_ids) for o in outs)
             verifies = sum(o.meta["spec_verify_ct"] for o in outs)
             per_iter = wall / max(1, sum(launches)) * 1e6
-            print(f"| {batch} | {steps} | {verify:.0f} | {iteration:.0f} | {iteration - verify:.0f} | "
-                  f"{per_iter:.0f} | {tokens / max(1, verifies):.2f} | {tokens / wall:,.0f} |")
+            print(
+                f"| {batch} | {steps} | {verify:.0f} | {iteration:.0f} | {iteration - verify:.0f} | "
+                f"{per_iter:.0f} | {tokens / max(1, verifies):.2f} | {tokens / wall:,.0f} |"
+            )
             del llm, engine, loop, original, counting
             gc.collect()
             torch.cuda.empty_cache()

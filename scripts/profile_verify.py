@@ -37,7 +37,7 @@ def replay_us(graph: torch.cuda.CUDAGraph) -> float:
     return (time.perf_counter() - start) / REPLAYS * 1e6
 
 
-def kernel_table(graph: torch.cuda.CUDAGraph, title: str) -> None:
+def kernel_table(graph: torch.cuda.CUDAGraph, title: str, top: int = 12) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(20):
             graph.replay()
@@ -47,8 +47,9 @@ def kernel_table(graph: torch.cuda.CUDAGraph, title: str) -> None:
         key=lambda r: -r[1],
     )
     total = sum(us for _, us, _ in rows)
-    print(f"{title}: {total:.1f} us of kernels a replay")
-    for name, us, count in rows[:12]:
+    launches = sum(count for *_, count in rows)
+    print(f"{title}: {total:.1f} us of kernels a replay, {launches} launches")
+    for name, us, count in rows[:top]:
         print(f"  {us:8.1f} us {count:4d}x  {name[:90]}")
 
 

@@ -91,7 +91,10 @@ def time_loop_step(loop: DeviceLoop, batch: int, repeats: int) -> float:
 
     def run() -> None:
         for _ in range(LOOP_PROFILE_STEPS):
-            graph.replay() if graph is not None else loop.step_once(bucket)
+            if graph is not None:
+                graph.replay()
+            else:
+                loop.step_once(bucket)
 
     return median_seconds(run, repeats, loop.hist.device) / LOOP_PROFILE_STEPS
 

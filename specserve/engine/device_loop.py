@@ -42,6 +42,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.host_copy import to_device
 from specserve.engine.request import Request
 from specserve.executor.cuda_graphs import CudaGraphs, capture
+from specserve.spec.adaptive import configured_tiers
 from specserve_kernels import use_triton
 from specserve_kernels.loop_glue import loop_accept, loop_accept_ref, loop_prepare, loop_prepare_ref
 
@@ -296,8 +297,6 @@ def make_device_loops(
             )
         return {}, 0
     if spec.adaptive is not None:
-        from specserve.spec.adaptive import configured_tiers
-
         lengths = sorted({t.num_steps for t in configured_tiers(spec) if not t.off and t.topk == 1})
     else:
         lengths = [spec.num_steps] if spec.topk == 1 else []

@@ -566,7 +566,7 @@ class Engine:
         """Launch the next run (on top of the one in flight when the batch is the same), then read
         and append the one in flight while the device works on the next. None: no run in flight
         and none launched; the synchronous path takes this step."""
-        flight, self._loop_flight = self._loop_flight, None
+        flight = self._loop_flight
         self._loop_flight = self._loop_launch(flight)
         if flight is None:
             return None if self._loop_flight is None else []
