@@ -35,32 +35,18 @@ SCAN_BLOCK = 1024
 
 
 @triton.jit
-def _loop_prepare_kernel(
-    hist_ptr,
-    lengths_ptr,
-    limits_ptr,
-    table_ptr,
-    ids_ptr,
-    positions_ptr,
-    slots_ptr,
-    seq_lens_ptr,
-    drafts_ptr,
-    valid_ptr,
-    hist_stride,
-    table_stride,
+def _ngram_row(
+    row,
+    last,
     width,
-    NUM_STEPS: tl.constexpr,
+    j,
+    in_query,
     MIN_MATCH: tl.constexpr,
     MAX_MATCH: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    row = hist_ptr + b * hist_stride
-    length = tl.load(lengths_ptr + b)
-    limit = tl.load(limits_ptr + b)
-    last = length - 1
+    """One row's lookup: its query row's tokens (the last token, then the draft) and which drafts
+    are real."""
     token = tl.load(row + last)
     # Candidate ends p < last holding the last token; a match extends while position p - i repeats
     # the sequence's i-th token from the end. p - i < 0 reads as -1, which no token equals: with
@@ -83,14 +69,52 @@ def _loop_prepare_kernel(
         best = tl.maximum(best, tl.max(score, axis=0))
     # No match: the lookup points at the row's last column (torch.remainder(-1, W)).
     end = tl.where(best >= 0, best % width, width - 1)
-    j = tl.arange(0, BLOCK_Q)
-    in_query = j < NUM_STEPS + 1
     # Query row j (>= 1) holds draft j - 1, the token at end + j; row 0 the sequence's last token.
     at = tl.where(j == 0, last, tl.minimum(end + j, width - 1))
     tok = tl.load(row + at, mask=in_query, other=0)
-    is_draft = (j >= 1) & in_query
     # (A scalar condition goes through tl.where: the interpreter mistypes scalar & block as int32.)
     valid = tl.where(best >= 0, end + j <= last, False)
+    return tok, valid
+
+
+@triton.jit
+def _loop_prepare_kernel(
+    hist_ptr,
+    lengths_ptr,
+    limits_ptr,
+    table_ptr,
+    ids_ptr,
+    positions_ptr,
+    slots_ptr,
+    seq_lens_ptr,
+    drafts_ptr,
+    valid_ptr,
+    given_ptr,
+    hist_stride,
+    table_stride,
+    width,
+    NUM_STEPS: tl.constexpr,
+    MIN_MATCH: tl.constexpr,
+    MAX_MATCH: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    LOOKUP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    row = hist_ptr + b * hist_stride
+    length = tl.load(lengths_ptr + b)
+    limit = tl.load(limits_ptr + b)
+    last = length - 1
+    j = tl.arange(0, BLOCK_Q)
+    in_query = j < NUM_STEPS + 1
+    is_draft = (j >= 1) & in_query
+    if LOOKUP:
+        tok, valid = _ngram_row(row, last, width, j, in_query, MIN_MATCH, MAX_MATCH, BLOCK)
+    else:  # a drafter's chain, given: every draft is real
+        given = tl.load(given_ptr + b * NUM_STEPS + j - 1, mask=is_draft, other=0)
+        tok = tl.where(j == 0, tl.load(row + last), given)
+        valid = is_draft
     tl.store(drafts_ptr + b * NUM_STEPS + j - 1, tok, mask=is_draft)
     tl.store(valid_ptr + b * NUM_STEPS + j - 1, valid.to(tl.uint8), mask=is_draft)
     # Active rows verify at len - 1 ... len - 1 + k over their pages; inactive ones (done, pads) at
@@ -174,12 +198,15 @@ def loop_prepare(
     min_match: int,
     max_match: int,
     page_size: int,
+    given: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per request b (rows of hist [B, W] int64, its tokens in the first lengths[b] >= 1 entries):
-    the n-gram chain drafts (drafts [B, k] int64, valid [B, k] bool, as `ngram_chain_drafts`), and
-    in place the verify input: ids, positions, slots ([B * (k + 1)]) and seq_lens [B] (see
-    `loop_prepare_ref`). No host sync: capturable in a CUDA graph."""
+    the n-gram chain drafts (drafts [B, k] int64, valid [B, k] bool, as `ngram_chain_drafts`), or
+    the `given` drafts [B, k] of another drafter (all valid, no lookup), and in place the verify
+    input: ids, positions, slots ([B * (k + 1)]) and seq_lens [B] (see `loop_prepare_ref`). No host
+    sync: capturable in a CUDA graph."""
     _check_prepare(hist, lengths, limits, page_table, ids, positions, slots, seq_lens, num_steps, max_match)
+    _check_given(given, hist.shape[0], num_steps, hist.device)
     batch, width = hist.shape
     drafts = torch.empty(batch, num_steps, dtype=torch.int64, device=hist.device)
     valid = torch.empty(batch, num_steps, dtype=torch.bool, device=hist.device)
@@ -195,6 +222,7 @@ def loop_prepare(
             seq_lens,
             drafts,
             valid.view(torch.uint8),
+            drafts if given is None else given,
             hist.stride(0),
             page_table.stride(0),
             width,
@@ -204,6 +232,7 @@ def loop_prepare(
             PAGE_SIZE=page_size,
             BLOCK=min(SCAN_BLOCK, max(16, triton.next_power_of_2(width))),
             BLOCK_Q=max(2, triton.next_power_of_2(num_steps + 1)),
+            LOOKUP=given is None,
         )
     return drafts, valid
 
@@ -293,14 +322,20 @@ def loop_prepare_ref(
     min_match: int,
     max_match: int,
     page_size: int,
+    given: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch. The verify input: request b's query row is its last token and its k drafts, at
+    """Plain torch. The verify input: request b's query row is its last token and its k drafts (the
+    n-gram lookup's, or `given`, all valid), at
     positions len - 1 ... len - 1 + k over the slots of its page table (active rows: len < limit),
     or at 0 ... k over the dummy slot 0 (inactive rows: done, or pads); seq_lens its first position
     + k + 1."""
     _check_prepare(hist, lengths, limits, page_table, ids, positions, slots, seq_lens, num_steps, max_match)
+    _check_given(given, hist.shape[0], num_steps, hist.device)
     query = num_steps + 1
-    drafts, valid = ngram_chain_drafts(hist, lengths, num_steps, min_match, max_match)
+    if given is None:
+        drafts, valid = ngram_chain_drafts(hist, lengths, num_steps, min_match, max_match)
+    else:
+        drafts, valid = given.clone(), torch.ones_like(given, dtype=torch.bool)
     active = lengths < limits
     start = torch.where(active, lengths - 1, 0).unsqueeze(1)
     steps = torch.arange(query, device=hist.device)
@@ -379,6 +414,13 @@ def _check_prepare(
             f"page_table: expected [{batch}, P] with unit-stride rows, got {list(page_table.shape)}"
         )
     _int64("page_table", page_table, tuple(page_table.shape), device)
+
+
+def _check_given(given: torch.Tensor | None, batch: int, num_steps: int, device: torch.device) -> None:
+    if given is not None:
+        _int64("given", given, (batch, num_steps), device)
+        if not given.is_contiguous():
+            raise ValueError("given: expected a contiguous tensor")
 
 
 def _check_accept(target, drafts, valid, hist, lengths, limits, stops, records) -> None:

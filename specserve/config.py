@@ -15,6 +15,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 FLASH_PAGE_MULTIPLE = 16
 
 
+# Head methods whose chains may run in the device loop (a head of one step module: checked at load).
+HEAD_LOOP_METHODS = ("eagle", "eagle3", "mtp")
+
+
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
@@ -215,8 +219,9 @@ class SpeculativeConfig:
     # Adaptive speculation: None runs the shape above every step.
     adaptive: AdaptiveConfig | None = None
     # Speculative steps queued back to back on the device between two reads of their tokens by the
-    # host (greedy n-gram chains, adaptive speculation's chain tiers too: specserve/engine/device_loop.py);
-    # None: DEVICE_STEPS where the loop applies (CUDA graphs, TP size 1), 0: never.
+    # host (greedy chains: n-gram, adaptive speculation's n-gram chain tiers too, and heads of one
+    # step module: specserve/engine/device_loop.py, head_loop.py); None: DEVICE_STEPS where the loop
+    # applies (CUDA graphs, TP size 1), 0: never.
     device_steps: int | None = None
 
     def validate(self) -> None:
@@ -263,14 +268,26 @@ class SpeculativeConfig:
             self.adaptive.validate(self)
         _require(
             self.device_steps is None
-            or (isinstance(self.device_steps, int) and not isinstance(self.device_steps, bool) and 0 <= self.device_steps <= 64),
+            or (
+                isinstance(self.device_steps, int)
+                and not isinstance(self.device_steps, bool)
+                and 0 <= self.device_steps <= 64
+            ),
             "speculative.device_steps",
             "must be null or an integer in [0, 64]",
         )
         _require(
-            not self.device_steps or (self.method == "ngram" and (self.topk == 1 or self.adaptive is not None)),
+            not self.device_steps
+            or (self.method == "ngram" and (self.topk == 1 or self.adaptive is not None))
+            or (
+                self.method in HEAD_LOOP_METHODS
+                and self.topk == 1
+                and self.adaptive is None
+                and self.num_steps > 1
+            ),
             "speculative.device_steps",
-            "the device loop runs n-gram chains (method ngram; topk 1, or adaptive speculation's chain tiers)",
+            "the device loop runs chains: n-gram (topk 1, or adaptive speculation's chain tiers) or a "
+            "head's (eagle, eagle3, mtp of one module; topk 1, num_steps > 1, no adaptive speculation)",
         )
 
     @property

@@ -86,7 +86,9 @@ def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size,
         stop_at = out.token_ids[5 + 4 * i]  # a token the answer produces, so the request stops early
         params.append(SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[stop_at]))
     text = free[0].text
-    params[0] = SamplingParams(max_new_tokens=40, temperature=0.0, stop=[text[len(text) // 2 : len(text) // 2 + 3]])
+    params[0] = SamplingParams(
+        max_new_tokens=40, temperature=0.0, stop=[text[len(text) // 2 : len(text) // 2 + 3]]
+    )
     plain = plain_llm.generate(prompts, params)
     llm = _llm(small_vocab_target, LOOP, page_size=page_size)
     looped = llm.generate(prompts, params)
@@ -209,7 +211,9 @@ def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launche
     plain = LLM(str(smollm2_gguf), **common)
     want = plain.generate(prompts, params)
     del plain
-    looped = LLM(str(smollm2_gguf), speculative={"method": "ngram", "num_steps": 5, "device_steps": 8}, **common)
+    looped = LLM(
+        str(smollm2_gguf), speculative={"method": "ngram", "num_steps": 5, "device_steps": 8}, **common
+    )
     assert looped.engine.device_loop.loop_graphs, "captured per batch bucket"
     got = looped.generate(prompts, params)
     got_one = looped.generate(prompts[:1], params)[0]

@@ -70,7 +70,8 @@ COMPILE = textwrap.dedent(
     compile_(fl._qkv_gemv_kernel, qkv, {**gemv, "NORM": True, "BIAS": True, "HALF": 32}, 2)
     compile_(fl._qkv_gemv_kernel, qkv, {**chunked, "NORM": True, "BIAS": False, "HALF": 32}, 2)
     glue = {"default": "*i64", "valid_ptr": "*u8"}
-    compile_(lg._loop_prepare_kernel, glue, dict(NUM_STEPS=5, MIN_MATCH=1, MAX_MATCH=4, PAGE_SIZE=16, BLOCK=1024, BLOCK_Q=8))
+    compile_(lg._loop_prepare_kernel, glue, dict(NUM_STEPS=5, MIN_MATCH=1, MAX_MATCH=4, PAGE_SIZE=16, BLOCK=1024, BLOCK_Q=8, LOOKUP=True))
+    compile_(lg._loop_prepare_kernel, glue, dict(NUM_STEPS=5, MIN_MATCH=1, MAX_MATCH=4, PAGE_SIZE=16, BLOCK=1024, BLOCK_Q=8, LOOKUP=False))
     compile_(lg._loop_accept_kernel, glue, dict(NUM_STEPS=5, NUM_STOPS=8, BLOCK_Q=8, BLOCK_S=8), 1)
     print("compiled")
     """

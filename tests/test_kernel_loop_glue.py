@@ -184,6 +184,28 @@ def test_chained_iterations_match_the_reference():
     _chained(DEVICE, batch=6, num_steps=4, max_len=200, iterations=12, seed=3)
 
 
+@pytest.mark.parametrize(("num_steps", "page_size", "batch"), [(1, 1, 3), (4, 4, 9), (6, 16, 5)])
+def test_given_drafts_match_the_reference(num_steps, page_size, batch):
+    """A head's drafts handed in (`given`): no lookup, every draft valid, the same verify input."""
+    rng = np.random.default_rng(num_steps * 7 + batch)
+    hist, lengths, limits, table, _ = _state(rng, batch, num_steps, page_size, 90, DEVICE)
+    given = torch.as_tensor(rng.integers(0, 500, (batch, num_steps)), device=DEVICE)
+    kw = dict(num_steps=num_steps, min_match=1, max_match=3, page_size=page_size, given=given)
+    ref_bufs = _buffers(rng, batch, num_steps, DEVICE)
+    ker_bufs = _clone(ref_bufs)
+    ref = loop_prepare_ref(hist, lengths, limits, table, *ref_bufs, **kw)
+    got = loop_prepare(hist, lengths, limits, table, *ker_bufs, **kw)
+    _compare(
+        [*got, *ker_bufs], [*ref, *ref_bufs], ["drafts", "valid", "ids", "positions", "slots", "seq_lens"]
+    )
+    assert torch.equal(got[0], given) and bool(got[1].all())
+    ids = ker_bufs[0].view(batch, num_steps + 1)
+    assert torch.equal(ids[:, 1:], given)
+    assert torch.equal(ids[:, 0], hist.gather(1, (lengths - 1)[:, None]).squeeze(1))
+    with pytest.raises(ValueError, match="given"):
+        loop_prepare(hist, lengths, limits, table, *ker_bufs, **{**kw, "given": given[:, :-1].contiguous()})
+
+
 def test_single_token_rows_and_no_match():
     hist = torch.tensor([[5, 0, 0, 0, 0, 0], [1, 2, 3, 0, 0, 0], [4, 4, 0, 0, 0, 0]], device=DEVICE)
     lengths, limits = torch.tensor([1, 3, 2], device=DEVICE), torch.tensor([9, 9, 0], device=DEVICE)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,14 @@ class DeviceLoop:
     @property
     def max_batch(self) -> int:
         return max(self.batch_sizes, default=0)
+
+    def ready(self, req: Request) -> bool:
+        """Whether this loop's drafter can start the request now (n-gram: always; it reads tokens)."""
+        return True
+
+    def hand_back(self, reqs: list[Request]) -> None:
+        """The loop stops running `reqs`: whatever drafting state lives on the device goes back to
+        them (n-gram: none)."""
 
     def limit(self, req: Request, max_model_len: int) -> int:
         """Tokens the request may reach in the loop: its own limits, and a verify's last position
@@ -278,33 +287,50 @@ def plan_steps(lengths: list[int], limits: list[int], ahead: int, rate: float, m
 
 
 def make_device_loops(
-    spec: SpeculativeConfig | None, graphs: CudaGraphs | None, max_context: int, single_rank: bool
+    spec: SpeculativeConfig | None,
+    graphs: CudaGraphs | None,
+    max_context: int,
+    single_rank: bool,
+    head_loop: Callable[[int], DeviceLoop] | None = None,
 ) -> tuple[dict[int, DeviceLoop], int]:
     """The engine's loops by chain length (the configured chain, or with adaptive speculation each
     chain tier's) and their steps a run; none where the loop does not apply. `single_rank`: TP size
     1 and a plain decoder (followers replay only what rank 0 broadcasts; a hybrid's states commit
-    per verify on the host)."""
-    if spec is None or spec.method != "ngram":
+    per verify on the host). `head_loop`: the loop of a chain length for a head drafter that can
+    draft on the device (`HeadDeviceLoop`), None where it cannot; n-gram drafts need none."""
+    if spec is None or (steps := _run_steps(spec)) <= 0:
         return {}, 0
-    steps = spec.device_steps if spec.device_steps is not None else DEVICE_STEPS
-    if steps <= 0:
-        return {}, 0
+    explicit = spec.device_steps is not None
     if graphs is None or not single_rank:
-        if spec.device_steps is not None:
+        if explicit:
             raise ValueError(
                 "speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 "
                 "and a decoder without recurrent layers"
+            )
+        return {}, 0
+    if spec.method != "ngram" and head_loop is None:
+        if explicit:
+            raise ValueError(
+                "speculative.device_steps: a head drafts in the device loop only with one step module "
+                "(EAGLE, EAGLE-3, MTP of one module) and its draft graphs (SPECSERVE_DRAFT_GRAPHS)"
             )
         return {}, 0
     if spec.adaptive is not None:
         lengths = sorted({t.num_steps for t in configured_tiers(spec) if not t.off and t.topk == 1})
     else:
         lengths = [spec.num_steps] if spec.topk == 1 else []
-    loops = {
-        k: DeviceLoop(graphs, k, spec.ngram_min_match, spec.ngram_max_match, max_context) for k in lengths
-    }
+    if head_loop is not None:
+        loops = {k: head_loop(k) for k in lengths if k > 1}
+    else:
+        loops = {
+            k: DeviceLoop(graphs, k, spec.ngram_min_match, spec.ngram_max_match, max_context) for k in lengths
+        }
     loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
     return loops, (steps if loops else 0)
+
+
+def _run_steps(spec: SpeculativeConfig) -> int:
+    return spec.device_steps if spec.device_steps is not None else DEVICE_STEPS
 
 
 def loop_ready(req: Request) -> bool:

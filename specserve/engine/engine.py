@@ -30,6 +30,7 @@ from specserve.engine.device_loop import (
     make_device_loops,
     plan_steps,
 )
+from specserve.engine.head_loop import head_loop_factory
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
@@ -124,6 +125,7 @@ class Engine:
             self.runner.graphs,
             self.max_model_len,
             self.tp.size == 1 and self.states is None,
+            head_loop_factory(self.drafter, self.runner.graphs, self.max_model_len, config.speculative),
         )
         self._loop_flight: LoopFlight | None = None
         self._loop_settled: LoopFlight | None = None  # the run this step read, for the policy
@@ -590,7 +592,7 @@ class Engine:
             return None
         if flight is not None and (reqs != flight.reqs or loop is not flight.loop):
             return None
-        if not all(loop_ready(r) for r in reqs):
+        if not all(loop_ready(r) and loop.ready(r) for r in reqs):
             return None
         if flight is None:
             limits = [max(loop.limit(r, self.max_model_len), len(r.token_ids)) for r in reqs]
@@ -636,6 +638,8 @@ class Engine:
             out = self._emit(req, delta) if delta else None
             if out is not None:
                 outputs.append(out)
+        if not chained:
+            flight.loop.hand_back(flight.reqs)
         self._stats.lap("postprocess")
         return outputs
 

@@ -280,7 +280,7 @@ class HeadDrafter(Drafter):
         if self.graphs is not None:
             self.graphs.take_pending()  # a round nobody verified (e.g. the cost profile's)
         self._catch_up(reqs)
-        chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and _has_seed(r)]
+        chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and has_seed(r)]
         # Greedy chains in the graphs (their seeds may still be on the device); sampling ones eagerly
         # beside them: every row's draft depends on its own inputs only, and the sampling filters
         # `choose_drafts` picks depend on the sampling rows alone, so the split changes nothing.
@@ -322,7 +322,7 @@ class HeadDrafter(Drafter):
         states: list[HeadState] = [r.draft_state for r in reqs]
         drafts = self.graphs.launch_chain(
             reqs,
-            _seed_tokens(states, self.device),
+            seed_tokens(states, self.device),
             [s.tails for s in states],
             [s.position for s in states],
             [k - 1 for _, k in chains],
@@ -362,7 +362,7 @@ class HeadDrafter(Drafter):
 
     def draft_tree(self, reqs: list[Request], depths: list[int], topk: int, num_nodes: int) -> None:
         self._catch_up(reqs)
-        active = [(r, d) for r, d in zip(reqs, depths, strict=True) if d > 0 and _has_seed(r)]
+        active = [(r, d) for r, d in zip(reqs, depths, strict=True) if d > 0 and has_seed(r)]
         if not active:
             return
         search = TreeSearch(
@@ -431,12 +431,12 @@ class HeadDrafter(Drafter):
         )
 
 
-def _has_seed(req: Request) -> bool:
+def has_seed(req: Request) -> bool:
     state = req.draft_state
     return isinstance(state, HeadState) and state.seeded and state.position == req.num_computed - 1
 
 
-def _seed_tokens(states: list[HeadState], device: torch.device) -> list[int] | torch.Tensor:
+def seed_tokens(states: list[HeadState], device: torch.device) -> list[int] | torch.Tensor:
     """The first drafts of these states: on the device where one extend left them all there."""
     seeds = states[0].seeds
     if seeds is None or any(s.seeds is not seeds for s in states):

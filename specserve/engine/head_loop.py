@@ -1,0 +1,166 @@
+"""The device loop with a hidden-state head drafting: greedy EAGLE / EAGLE-3 chains queued back to back.
+
+`DeviceLoop` runs n-gram chains, whose drafts come from the token history. A head's drafts come
+from its own forwards, which read the target's features, and those can stay on the device too. One
+iteration per request, all captured in one graph per batch bucket:
+
+- the chain: steps 1 .. k-1 of the head's greedy chain (`DraftGraphs`' chain forward) from the seed,
+  tail and newest extended position the last extend left in the chain bucket's static inputs;
+- the verify input from those drafts (`loop_prepare` with `given` drafts), the target's forward, the
+  greedy accept and append (`loop_accept`), as in `DeviceLoop`;
+- the extend at a fixed shape: the head's module over every verify row, row i pairing the token that
+  follows its position (the verify's argmax there) with the target's feature at it, its KV at the
+  verify's own slots. Rows past the accepted ones write head KV at positions the next extend
+  rewrites before anything reads them (the chain writes each position before it attends to it),
+  so the head's KV ends up as the synchronous extend over the accepted tokens leaves it. The last
+  accepted row's output and greedy draft become the next seed and tail (kept where a row took
+  nothing: a finished or pad row).
+
+Only heads of one step module (EAGLE, EAGLE-3): a chain of MTP modules pairs each module with the
+one before through per-request shifts the fixed shape does not carry. The head's per-request state
+goes back to the requests (`hand_back`) when the loop stops running them, as the synchronous
+extend would have left it, so the synchronous path drafts on from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.device_loop import DeviceLoop
+from specserve.engine.host_copy import to_device
+from specserve.engine.request import Request
+from specserve.executor.cuda_graphs import CudaGraphs
+from specserve.spec.draft_graphs import DeviceTokens, DraftGraphs
+from specserve.spec.head_drafter import HeadDrafter, HeadState, has_seed, seed_tokens
+
+
+class HeadDeviceLoop(DeviceLoop):
+    """Greedy chains of `num_steps` drafts from `drafter`'s head (its draft graphs' chain buckets
+    hold the loop's drafting state), verified in the (batch, num_steps + 1) buckets of `graphs`."""
+
+    def __init__(self, graphs: CudaGraphs, drafter: HeadDrafter, num_steps: int, max_context: int) -> None:
+        self.drafter = drafter
+        self.draft_graphs: DraftGraphs = drafter.graphs
+        device = graphs.page_table.device
+        most = max(graphs.buckets.batch_sizes)
+        self.given = torch.zeros(most, num_steps, dtype=torch.int64, device=device)
+        self.steps_left = torch.full((most,), num_steps - 1, dtype=torch.int64, device=device)
+        super().__init__(graphs, num_steps, 1, 1, max_context)
+
+    def ready(self, req: Request) -> bool:
+        """The head has extended over every verified token and seeded the next chain."""
+        return has_seed(req) and req.draft_backlog is None
+
+    def reset_rows(self, batch: int) -> None:
+        super().reset_rows(batch)
+        for bucket in self.draft_graphs.chain.values():
+            bucket.steps.zero_()
+            bucket.base.zero_()
+
+    def launch(self, reqs, limits, stop_ids, iterations, resume=False):
+        if not resume:
+            self._seed(reqs)
+        return super().launch(reqs, limits, stop_ids, iterations, resume)
+
+    def hand_back(self, reqs: list[Request]) -> None:
+        """Each request's head state as the loop left it: the last extend's seed and tail at the
+        request's newest verified position - 1 (what `HeadDrafter.after_target` would have stored)."""
+        batch = next(b for b in self.batch_sizes if b >= len(reqs))
+        bucket = self.draft_graphs.chain[batch]
+        seeds = DeviceTokens(bucket.ids[: len(reqs)].clone())
+        tails = bucket.tails[: len(reqs)].clone().unbind(0)
+        for row, req in enumerate(reqs):
+            if req.finished:
+                continue
+            position = len(req.token_ids) - 2
+            req.draft_state = HeadState(position=position, tails=tails[row], seeds=seeds, seed_row=row)
+            req.draft_computed = position + 1
+
+    def _seed(self, reqs: list[Request]) -> None:
+        """The chain bucket's inputs from each request's head state (a fresh run); pad rows idle."""
+        n = len(reqs)
+        batch = next(b for b in self.batch_sizes if b >= n)
+        bucket = self.draft_graphs.chain[batch]
+        states: list[HeadState] = [r.draft_state for r in reqs]
+        seeds = seed_tokens(states, bucket.ids.device)
+        head = np.zeros((3, batch), dtype=np.int64)  # ids, base, steps
+        head[1, :n] = [s.position for s in states]
+        head[2, :n] = self.num_steps - 1
+        if not isinstance(seeds, torch.Tensor):
+            head[0, :n] = seeds
+        bucket.head.copy_(to_device(torch.from_numpy(head.ravel()), bucket.head.device))
+        if isinstance(seeds, torch.Tensor):
+            bucket.ids[:n].copy_(seeds)
+        torch.stack([s.tails for s in states], out=bucket.tails[:n])
+
+    def _copy_pages(self, reqs: list[Request], batch: int) -> None:
+        super()._copy_pages(reqs, batch)
+        self._share_pages(batch)
+
+    def _setup(self, reqs, limits, stop_ids, batch: int) -> None:
+        super()._setup(reqs, limits, stop_ids, batch)
+        self._share_pages(batch)
+
+    def _share_pages(self, batch: int) -> None:
+        """The draft graphs' page table rows: the target's (the head's KV lives on the same pages)."""
+        src, dst = self.graphs.page_table, self.draft_graphs.page_table
+        width = min(src.shape[1], dst.shape[1])
+        dst[:batch, :width].copy_(src[:batch, :width])
+
+    def _iteration(self, batch: int) -> None:
+        """Chain, verify input, forward, accept, extend: one speculative step of the first `batch`
+        rows on the device; its record in `records`."""
+        k, dg = self.num_steps, self.draft_graphs
+        bucket = dg.chain[batch]
+        if k > 1:
+            dg._chain_forward(bucket, batch, k - 1)
+        else:
+            dg.tokens[0, :batch].copy_(bucket.ids)
+        given = self.given[:batch]
+        given.copy_(dg.tokens[:k, :batch].t())
+        hist, lengths, limits = self.hist[:batch], self.lengths[:batch], self.limits[:batch]
+        graph = self.graphs.graphs[(batch, self.query_len)]
+        table, a = self.graphs.page_table[:batch], graph.attention
+        inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
+        drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup, given=given)
+        hidden, aux, logits = self.graphs.forward(graph)
+        target = logits.argmax(dim=-1).view(batch, self.query_len)
+        self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
+        self._extend(bucket, batch, graph, target, hidden if aux is None else aux)
+
+    def _extend(self, bucket, batch: int, graph, target: torch.Tensor, features: torch.Tensor) -> None:
+        """The head over every verify row (fixed shape), then the next seed, tail and position of
+        each row that took tokens."""
+        head, q = self.drafter.head, self.query_len
+        ctx = self.drafter.backend.prepare(graph.attention, self.drafter.kv_cache)
+        out, to_logits = head.run(
+            0, target.view(-1), features.to(self.drafter.dtype), graph.positions, ctx, from_target=True
+        )
+        taken = self.records[:batch, q]
+        moved = taken > 0
+        rows = torch.arange(batch, device=taken.device) * q + (taken - 1).clamp(min=0)
+        seed = self.draft_graphs.greedy_tokens(head.logits(0, to_logits.index_select(0, rows)))
+        bucket.ids[:batch].copy_(torch.where(moved, seed, bucket.ids[:batch]))
+        tails = bucket.tails[:batch, 0]
+        tails.copy_(torch.where(moved[:, None], out.index_select(0, rows).to(tails.dtype), tails))
+        lengths = self.lengths[:batch]
+        bucket.base[:batch].copy_(torch.where(moved, lengths - 2, bucket.base[:batch]))
+        active = lengths < self.limits[:batch]
+        bucket.steps[:batch].copy_(torch.where(active, self.steps_left[:batch], 0))
+
+
+def head_loop_factory(
+    drafter: object, graphs: CudaGraphs | None, max_context: int, spec: SpeculativeConfig | None
+) -> Callable[[int], DeviceLoop] | None:
+    """How the engine builds a head's loop of a chain length, or None where a head cannot draft on
+    the device: no draft graphs, more than one step module, trees only, or adaptive speculation
+    (its tiers draft synchronously)."""
+    if not isinstance(drafter, HeadDrafter) or graphs is None or drafter.graphs is None:
+        return None
+    if drafter.num_modules != 1 or not drafter.graphs.chain or spec is None or spec.adaptive is not None:
+        return None
+    return lambda num_steps: HeadDeviceLoop(graphs, drafter, num_steps, max_context)

@@ -1,0 +1,245 @@
+"""The device loop with a head drafting (`specserve/engine/head_loop.py`): EAGLE / EAGLE-3 chains on the device.
+
+On the CPU each loop iteration runs eagerly over the same static buffers a GPU captures. Its tokens
+must be plain greedy decoding's; every chain it drafts must be what the head proposes for that
+token sequence computed from scratch (head_reference.py: so the fixed-shape extend, its positions,
+KV and seeds are right); its acceptance must equal the synchronous path's, draft for draft; and
+when the loop hands requests back to the synchronous path (a sampling request arrives), the
+synchronous drafts from the handed-back state must still be the from-scratch ones.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from head_reference import reference_step_logits
+
+from specserve import LLM, SamplingParams
+from specserve.config import SpeculativeConfig
+from specserve.engine.device_loop import DeviceLoop
+from specserve.engine.head_loop import HeadDeviceLoop
+from specserve.model.head_checkpoint import random_head, save_head
+from specserve.train.data import GenerationSettings, generate_responses
+from specserve.train.trainer import TrainConfig, train_head
+
+VOCAB = 96
+HEADS = {"eagle3": {"draft_vocab_size": 64}, "eagle": {"layers_per_module": 2}, "mtp": {"num_modules": 3}}
+
+
+@pytest.fixture(scope="module")
+def heads(small_vocab_target, tmp_path_factory):
+    """Seeded random heads, and EAGLE-3 / EAGLE heads trained for seconds on the tiny target's own
+    greedy answers ("trained-*"): random heads' greedy drafts are almost never accepted, and the
+    loop's extend must pick the last of several accepted rows."""
+    root = tmp_path_factory.mktemp("head_loop_heads")
+    folders = {}
+    for method, kwargs in HEADS.items():
+        config, tensors = random_head(method, small_vocab_target.arch, seed=5, **kwargs)
+        folders[method] = save_head(root / method, config, tensors)
+    llm = LLM(small_vocab_target, device="cpu", dtype="float32", max_running_requests=128)
+    settings = GenerationSettings(max_new_tokens=40, batch=128)
+    samples = generate_responses(
+        llm, _prompts(128, seed=0), root / "answers.npz", settings, log=lambda _: None
+    )
+    for method in ("eagle3", "eagle"):
+        cfg = TrainConfig(
+            method=method, steps=4, lr=3e-3, warmup_steps=10, tokens_per_batch=1024, max_steps=150,
+            checkpoint_every=1000, save_dtype="float32",
+        )  # fmt: skip
+        train_head(
+            small_vocab_target,
+            samples,
+            cfg,
+            root / f"trained-{method}",
+            progress_bar=False,
+            log=lambda _: None,
+        )
+        folders[f"trained-{method}"] = root / f"trained-{method}"
+    return folders
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Steps each device-loop launch queued (negative: resumed on the run before)."""
+    calls: list[int] = []
+    original = DeviceLoop.launch
+
+    def counting(self, reqs, limits, stop_ids, iterations, resume=False):
+        calls.append(-iterations if resume else iterations)
+        return original(self, reqs, limits, stop_ids, iterations, resume)
+
+    monkeypatch.setattr(DeviceLoop, "launch", counting)
+    return calls
+
+
+def _llm(target, method=None, folder=None, device_steps=4, num_steps=4, **kw) -> LLM:
+    spec = None
+    if method is not None:
+        spec = {
+            "method": method,
+            "draft_model": str(folder),
+            "num_steps": num_steps,
+            "device_steps": device_steps,
+        }
+    return LLM(
+        target,
+        device="cpu",
+        dtype="float32",
+        page_size=kw.pop("page_size", 4),
+        max_total_tokens=2048,
+        attention_backend="triton",
+        cuda_graphs=True,
+        cuda_graph_max_batch=4,
+        speculative=spec,
+        **kw,
+    )
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 30))] for _ in range(count)]
+
+
+def _record_loop_drafts(loop: HeadDeviceLoop) -> list[tuple[list[int], list[int]]]:
+    """Every active row's (verified tokens, drafts) as the loop's verify input takes them."""
+    records, original = [], loop.prepare
+
+    def recording(hist, lengths, limits, *args, given, **kw):
+        for b in range(hist.shape[0]):
+            if lengths[b] < limits[b]:
+                records.append((hist[b, : lengths[b]].tolist(), given[b].tolist()))
+        return original(hist, lengths, limits, *args, given=given, **kw)
+
+    loop.prepare = recording
+    return records
+
+
+def _record_sync_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    drafter, records = llm.engine.drafter, []
+    original = drafter.draft
+
+    def recording(reqs, budgets):
+        original(reqs, budgets)
+        pending = drafter.graphs.pending if drafter.graphs is not None else None
+        for r in reqs:
+            if r.draft and r.params.greedy:
+                drafts = [pending[-1 - d].item() if d < 0 else d for d in r.draft]
+                records.append((list(r.token_ids), drafts))
+
+    drafter.draft = recording
+    return records
+
+
+def _check_against_reference(target, head, records, every: int = 2) -> int:
+    checked = 0
+    for verified, drafts in records[::every]:
+        ref = reference_step_logits(target.model, head, verified, drafts)
+        assert [head.to_target_ids(logits.argmax())[None].item() for logits in ref] == drafts
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize(
+    ("method", "head"), [("eagle3", "trained-eagle3"), ("eagle", "trained-eagle"), ("eagle3", "eagle3")]
+)
+def test_loop_equals_plain_and_the_reference(small_vocab_target, heads, launches, method, head):
+    prompts = _prompts(128, seed=0)[::32]  # prompts the trained heads learned the answers of
+    params = [SamplingParams(max_new_tokens=10 + 6 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    llm = _llm(small_vocab_target, method, heads[head])
+    loop = llm.engine.device_loop
+    assert isinstance(loop, HeadDeviceLoop)
+    records = _record_loop_drafts(loop)
+    looped = llm.generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    assert max(launches) > 0 and min(launches) < 0, "fresh runs and runs chained on them"
+    assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, records) >= 10
+    sync = _llm(small_vocab_target, method, heads[head], device_steps=0).generate(prompts, params)
+    for o, s in zip(looped, sync, strict=True):
+        assert o.meta["spec_accept_histogram"] == s.meta["spec_accept_histogram"]
+        assert o.meta["spec_verify_ct"] == s.meta["spec_verify_ct"]
+    if head.startswith("trained"):
+        deep = sum(sum(o.meta["spec_accept_histogram"][2:]) for o in looped)
+        assert deep >= 5, f"verifies that accepted 2+ drafts: {deep}"
+
+
+def test_hand_back_to_the_synchronous_path(small_vocab_target, heads, launches):
+    """Greedy requests run in the loop until a sampling request arrives; the synchronous path then
+    drafts for them from the state the loop handed back, and later the loop takes them again."""
+    prompts = _prompts(128, seed=0)[5:8]
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True)
+    reference = _llm(small_vocab_target).generate(prompts[:2], greedy)
+    llm = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"])
+    engine = llm.engine
+    loop_records = _record_loop_drafts(engine.device_loop)
+    sync_records = _record_sync_drafts(llm)
+    engine.add_request(prompts[0], greedy, request_id="a")
+    engine.add_request(prompts[1], greedy, request_id="b")
+    finished, steps = {}, 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 4:
+            assert launches, "the loop ran the greedy pair"
+            engine.add_request(prompts[2], sampling, request_id="c")
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    assert [finished["a"], finished["b"]] == [o.token_ids for o in reference]
+    before = len([n for n in launches if n > 0])
+    assert before >= 2, "the loop took the pair again after the sampling request finished"
+    head = engine.drafter.head
+    handed = [r for r in sync_records if len(r[0]) > len(prompts[0])]
+    assert handed, "the synchronous path drafted for requests the loop handed back"
+    _check_against_reference(small_vocab_target, head, handed, every=1)
+    _check_against_reference(small_vocab_target, head, loop_records, every=3)
+
+
+def test_multi_module_heads_stay_synchronous(small_vocab_target, heads, launches):
+    """An MTP chain of several modules drafts on the host: no head loop, same tokens."""
+    llm = _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=None)
+    assert llm.engine.device_loop is None
+    prompts = _prompts(2, seed=4)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert not launches
+
+
+def test_settings(small_vocab_target, heads):
+    SpeculativeConfig(method="eagle3", draft_model="h", num_steps=4, device_steps=8).validate()
+    for bad in (dict(topk=2), dict(num_steps=1), dict(adaptive={"tiers": ["off", "4"]})):
+        with pytest.raises(ValueError, match="speculative.device_steps"):
+            SpeculativeConfig.from_value(
+                {"method": "eagle3", "draft_model": "h", "num_steps": 4, "device_steps": 8, **bad}
+            ).validate()
+    with pytest.raises(ValueError, match="one step module"):
+        _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_head_loop_equals_plain(smollm2_gguf, mtbench_questions, launches, tmp_path):
+    """fp32 SmolLM2 on the GPU with a seeded random EAGLE-3 head: the captured loop's tokens are
+    plain greedy decoding's, batch 1 and 3, in chained runs."""
+    from specserve.model.loader import load_model
+
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 14, cuda_graph_max_batch=4)
+    arch = load_model(str(smollm2_gguf), torch.device("cpu"), torch.float32).arch
+    config, tensors = random_head("eagle3", arch, seed=1)
+    folder = save_head(tmp_path / "eagle3", config, tensors)
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    prompts = mtbench_questions[:3]
+    plain = LLM(str(smollm2_gguf), **common)
+    want = plain.generate(prompts, params)
+    del plain
+    spec = {"method": "eagle3", "draft_model": str(folder), "num_steps": 4, "device_steps": 8}
+    looped = LLM(str(smollm2_gguf), speculative=spec, **common)
+    assert isinstance(looped.engine.device_loop, HeadDeviceLoop) and looped.engine.device_loop.loop_graphs
+    got = looped.generate(prompts, params)
+    got_one = looped.generate(prompts[:1], params)[0]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got_one.token_ids == want[0].token_ids
+    assert min(launches) < 0
