@@ -5,9 +5,12 @@ engine with the device loop (`specserve/engine/device_loop.py`), and times back-
 the verify bucket's graph and of the loop's iteration graph (draft lookup, input, the same forward,
 accept): the difference is the loop's glue on the device. Then a real run: MT-Bench prompts at
 that batch, 256 new tokens, greedy, EOS ignored; wall ms per loop iteration and tokens a verify.
-LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replays).
+LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replays). LOOP_HEAD=FOLDER
+profiles a head's loop instead (`specserve/engine/head_loop.py`: EAGLE-3 chains of LOOP_STEPS drafts),
+whose "glue" is the head's drafting.
 
     LOOP_BATCHES=1,16 LOOP_STEPS=5,8 python3 -P scripts/profile_loop.py
+    LOOP_HEAD=path/to/eagle3 LOOP_KERNELS=1 LOOP_BATCHES=1 LOOP_STEPS=5 python3 -P scripts/profile_loop.py
 """
 
 import gc
@@ -28,6 +31,13 @@ from profile_verify import kernel_table, replay_us  # noqa: E402
 
 BATCHES = [int(b) for b in os.environ.get("LOOP_BATCHES", "1,16,64").split(",")]
 STEPS = [int(s) for s in os.environ.get("LOOP_STEPS", "8").split(",")]
+HEAD = os.environ.get("LOOP_HEAD")
+
+
+def _spec(steps: int) -> dict:
+    if HEAD:
+        return {"method": "eagle3", "draft_model": HEAD, "num_steps": steps, "device_steps": 8}
+    return {"method": "ngram", "num_steps": steps, "device_steps": 8}
 
 
 def main() -> None:
@@ -42,7 +52,7 @@ def main() -> None:
         for batch in BATCHES:
             llm = LLM(
                 loaded,
-                speculative={"method": "ngram", "num_steps": steps, "device_steps": 8},
+                speculative=_spec(steps),
                 cuda_graph_max_batch=max(BATCHES),
                 max_total_tokens=1 << 17,
             )
@@ -52,7 +62,7 @@ def main() -> None:
             verify = replay_us(engine.runner.graphs.graphs[(bucket, steps + 1)].graph)
             iteration = replay_us(loop.loop_graphs[bucket])
             if os.environ.get("LOOP_KERNELS") and batch == 1:
-                kernel_table(loop.loop_graphs[bucket], "  loop step", top=25)
+                kernel_table(loop.loop_graphs[bucket], "  loop step", top=40)
             params = SamplingParams(max_new_tokens=256, temperature=0.0, ignore_eos=True)
             llm.generate(prompts[:batch], params)  # warm-up
             launches = []

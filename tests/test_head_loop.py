@@ -156,6 +156,11 @@ def test_loop_equals_plain_and_the_reference(small_vocab_target, heads, launches
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert max(launches) > 0 and min(launches) < 0, "fresh runs and runs chained on them"
     assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, records) >= 10
+    launches.clear()
+    long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    lone = llm.generate(prompts[:1], long)[0]
+    assert lone.token_ids == _llm(small_vocab_target).generate(prompts[:1], long)[0].token_ids
+    assert len([n for n in launches if n > 0]) == 1, f"one fresh run, then runs chained on it: {launches}"
     sync = _llm(small_vocab_target, method, heads[head], device_steps=0).generate(prompts, params)
     for o, s in zip(looped, sync, strict=True):
         assert o.meta["spec_accept_histogram"] == s.meta["spec_accept_histogram"]

@@ -592,7 +592,9 @@ class Engine:
             return None
         if flight is not None and (reqs != flight.reqs or loop is not flight.loop):
             return None
-        if not all(loop_ready(r) and loop.ready(r) for r in reqs):
+        if not all(loop_ready(r) for r in reqs):
+            return None
+        if flight is None and not all(loop.ready(r) for r in reqs):  # resumed: the device has its state
             return None
         if flight is None:
             limits = [max(loop.limit(r, self.max_model_len), len(r.token_ids)) for r in reqs]
