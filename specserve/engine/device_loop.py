@@ -45,6 +45,7 @@ from specserve.engine.request import Request
 from specserve.executor.cuda_graphs import CudaGraphs, capture
 from specserve.spec.adaptive import configured_tiers
 from specserve_kernels import use_triton
+from specserve_kernels.argmax import row_argmax, row_argmax_ref
 from specserve_kernels.loop_glue import loop_accept, loop_accept_ref, loop_prepare, loop_prepare_ref
 
 # Steps a run queues where `speculative.device_steps` is null (SPECSERVE_DEVICE_STEPS: another
@@ -109,6 +110,7 @@ class DeviceLoop:
         )
         self.prepare = loop_prepare if kernels else loop_prepare_ref
         self.accept = loop_accept if kernels else loop_accept_ref
+        self.argmax = row_argmax if kernels else row_argmax_ref
         self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pinned: list[torch.Tensor | None] = [None] * 3
         self._next_pinned = 0
@@ -223,7 +225,7 @@ class DeviceLoop:
         inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
         drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup)
         logits = self.graphs.forward(graph)[2]
-        target = logits.argmax(dim=-1).view(batch, self.query_len)
+        target = self.argmax(logits).view(batch, self.query_len)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
 
     def _copy_pages(self, reqs: list[Request], batch: int) -> None:

@@ -128,7 +128,7 @@ class HeadDeviceLoop(DeviceLoop):
         inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
         drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup, given=given)
         hidden, aux, logits = self.graphs.forward(graph)
-        target = logits.argmax(dim=-1).view(batch, self.query_len)
+        target = self.argmax(logits).view(batch, self.query_len)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
         self._extend(bucket, batch, graph, target, hidden if aux is None else aux)
 

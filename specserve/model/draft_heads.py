@@ -85,9 +85,23 @@ class Eagle3Layer(nn.Module):
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, emb, hidden, positions, rope, ctx):
+        if ctx.fused_linear is not None and ctx.add_rms_norm is not None:
+            return self._forward_fused(emb, hidden, positions, rope, ctx)
         both = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         x = hidden + self.self_attn(both, positions, rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_fused(self, emb, hidden, positions, rope, ctx):
+        """The same layer in the context's fused kernels, as the target's `forward_stream` runs its
+        layers (q/k/v with RoPE and the KV write in one launch, each residual add and the second
+        norm folded into a matmul): at a draft step's few rows its launches are most of its cost."""
+        norm_e, norm_h, norm_2 = self.input_layernorm, self.hidden_norm, self.post_attention_layernorm
+        e, _ = ctx.add_rms_norm(emb, None, norm_e.weight, norm_e.eps)
+        h, _ = ctx.add_rms_norm(hidden, None, norm_h.weight, norm_h.eps)
+        out = self.self_attn.attend_stream(torch.cat([e, h], dim=-1), None, positions, rope, ctx)
+        x = ctx.fused_linear(out, self.self_attn.o_proj.weight, residual=hidden)
+        act = ctx.fused_linear(x, self.mlp.gate_up_proj.weight, norm=(norm_2.weight, norm_2.eps), gated=True)
+        return ctx.fused_linear(act, self.mlp.down_proj.weight, residual=x)
 
 
 class Eagle3Module(nn.Module):
@@ -99,10 +113,12 @@ class Eagle3Module(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, emb, hidden, positions, rope, ctx, from_target: bool):
+        fused = ctx.fused_linear is not None and ctx.add_rms_norm is not None
         if from_target:  # the fused target layers; later steps feed back the head's own output
-            hidden = self.fc(hidden)
+            fc = self.fc
+            hidden = ctx.fused_linear(hidden, fc.weight, bias=fc.bias) if fused else fc(hidden)
         x = self.midlayer(emb, hidden, positions, rope, ctx)
-        return x, self.norm(x)
+        return x, ctx.add_rms_norm(x, None, self.norm.weight, self.norm.eps)[0] if fused else self.norm(x)
 
 
 class SharedHead(nn.Module):

@@ -12,7 +12,7 @@ sync of its own (its drafts are read with verify's results).
   draft (straight from the extend's device output when it left it there: `DeviceTokens`), the
   tails, the newest extended position, the steps and the page table into static buffers; each step
   computes its positions, KV slots and context lengths on the device, runs the module and its
-  logits, takes the argmax (`draft_top1`, then `to_target_ids`) and feeds tokens and hidden states
+  logits, takes the argmax (`row_argmax`, then `to_target_ids`) and feeds tokens and hidden states
   to the next, with no host sync. The drafts stay on the device (`launch_chain`): a request's draft
   holds placeholders -(1 + k) naming them, which the target's verify step resolves on the device
   (as overlap scheduling's future tokens), and the engine reads them back with verify's argmax, one
@@ -54,7 +54,7 @@ from specserve.executor.cuda_graphs import capture
 from specserve.model.draft_heads import DraftHead
 from specserve.spec.drafter import resolve_drafts
 from specserve_kernels import use_triton
-from specserve_kernels.draft_top1 import draft_top1, draft_top1_ref
+from specserve_kernels.argmax import row_argmax, row_argmax_ref
 
 # SPECSERVE_DRAFT_GRAPHS=0 drafts eagerly even where the target's steps run in CUDA graphs (to time both).
 DRAFT_GRAPHS_ENV = "SPECSERVE_DRAFT_GRAPHS"
@@ -184,7 +184,7 @@ class DraftGraphs:
             for q in shapes.extend_lens
             for b in shapes.batch_sizes
         }
-        self.top1 = draft_top1 if use_triton(device) else draft_top1_ref
+        self.argmax = row_argmax if use_triton(device) else row_argmax_ref
         self._pending: torch.Tensor | None = None  # `launch_chain`'s drafts, not read yet
         self.captured = device.type == "cuda"
         if self.captured:
@@ -197,7 +197,7 @@ class DraftGraphs:
 
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """The greedy draft (target ids) of rows of draft logits, left on the device (no sync)."""
-        return self.head.to_target_ids(self.top1(logits)[0])
+        return self.head.to_target_ids(self.argmax(logits))
 
     def run_chain(
         self,
@@ -296,7 +296,7 @@ class DraftGraphs:
             hidden = hidden.flatten(0, 1).contiguous()  # a strided slice of the tails or outputs
             flat, to_logits = head.run(module, ids.flatten(), hidden, pos.flatten(), ctx, from_target=False)
             out = flat.view(batch, rows, -1)
-            top, _ = self.top1(head.logits(module, to_logits.view(batch, rows, -1)[:, -1]))
+            top = self.argmax(head.logits(module, to_logits.view(batch, rows, -1)[:, -1]))
             drafts.append(head.to_target_ids(top))
             self.tokens[step, :batch].copy_(drafts[-1])
 
