@@ -281,13 +281,11 @@ class SpeculativeConfig:
             or (self.method == "ngram" and (self.topk == 1 or self.adaptive is not None))
             or (
                 self.method in HEAD_LOOP_METHODS
-                and self.topk == 1
-                and self.adaptive is None
-                and self.num_steps > 1
+                and ((self.topk == 1 and self.num_steps > 1) or self.adaptive is not None)
             ),
             "speculative.device_steps",
             "the device loop runs chains: n-gram (topk 1, or adaptive speculation's chain tiers) or a "
-            "head's (eagle, eagle3, mtp of one module; topk 1, num_steps > 1, no adaptive speculation)",
+            "head's (eagle, eagle3, mtp of one module; topk 1 and num_steps > 1, or adaptive chain tiers)",
         )
 
     @property

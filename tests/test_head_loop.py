@@ -202,6 +202,36 @@ def test_hand_back_to_the_synchronous_path(small_vocab_target, heads, launches):
     _check_against_reference(small_vocab_target, head, loop_records, every=3)
 
 
+def test_adaptive_tiers(small_vocab_target, heads, launches):
+    """Adaptive speculation with a head: a loop per chain tier (sharing the chain buckets), runs of
+    whichever tier the policy holds; plain greedy tokens, and every loop's drafts the from-scratch
+    ones."""
+    prompts = _prompts(128, seed=0)[9:12]
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    spec = {
+        "method": "eagle3",
+        "draft_model": str(heads["trained-eagle3"]),
+        "num_steps": 4,
+        "adaptive": {"tiers": ["off", 1, 2, 4]},
+        "device_steps": 4,
+    }
+    llm = LLM(
+        small_vocab_target, device="cpu", dtype="float32", page_size=4, max_total_tokens=2048,
+        attention_backend="triton", cuda_graphs=True, cuda_graph_max_batch=4, speculative=spec,
+    )  # fmt: skip
+    loops = llm.engine.device_loops
+    assert sorted(loops) == [1, 2, 4] and all(isinstance(loop, HeadDeviceLoop) for loop in loops.values())
+    records = [_record_loop_drafts(loop) for loop in loops.values()]
+    looped = llm.generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    single = llm.generate(prompts[:1], params)[0]
+    assert single.token_ids == plain[0].token_ids
+    assert launches, "the policy's held tiers ran in their loops"
+    flat = [r for rec in records for r in rec]
+    assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, flat, every=3) >= 3
+
+
 def test_multi_module_heads_stay_synchronous(small_vocab_target, heads, launches):
     """An MTP chain of several modules drafts on the host: no head loop, same tokens."""
     llm = _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=None)
@@ -215,7 +245,7 @@ def test_multi_module_heads_stay_synchronous(small_vocab_target, heads, launches
 
 def test_settings(small_vocab_target, heads):
     SpeculativeConfig(method="eagle3", draft_model="h", num_steps=4, device_steps=8).validate()
-    for bad in (dict(topk=2), dict(num_steps=1), dict(adaptive={"tiers": ["off", "4"]})):
+    for bad in (dict(topk=2), dict(num_steps=1)):
         with pytest.raises(ValueError, match="speculative.device_steps"):
             SpeculativeConfig.from_value(
                 {"method": "eagle3", "draft_model": "h", "num_steps": 4, "device_steps": 8, **bad}

@@ -322,7 +322,7 @@ def make_device_loops(
     else:
         lengths = [spec.num_steps] if spec.topk == 1 else []
     if head_loop is not None:
-        loops = {k: head_loop(k) for k in lengths if k > 1}
+        loops = {k: head_loop(k) for k in lengths}
     else:
         loops = {
             k: DeviceLoop(graphs, k, spec.ngram_min_match, spec.ngram_max_match, max_context) for k in lengths

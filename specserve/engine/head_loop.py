@@ -156,11 +156,12 @@ class HeadDeviceLoop(DeviceLoop):
 def head_loop_factory(
     drafter: object, graphs: CudaGraphs | None, max_context: int, spec: SpeculativeConfig | None
 ) -> Callable[[int], DeviceLoop] | None:
-    """How the engine builds a head's loop of a chain length, or None where a head cannot draft on
-    the device: no draft graphs, more than one step module, trees only, or adaptive speculation
-    (its tiers draft synchronously)."""
+    """How the engine builds a head's loop of a chain length (the configured chain's, or each chain
+    tier's under adaptive speculation: they share the draft graphs' chain buckets, each run seeding
+    them from the requests' head state), or None where a head cannot draft on the device: no chain
+    graphs, or more than one step module."""
     if not isinstance(drafter, HeadDrafter) or graphs is None or drafter.graphs is None:
         return None
-    if drafter.num_modules != 1 or not drafter.graphs.chain or spec is None or spec.adaptive is not None:
+    if drafter.num_modules != 1 or not drafter.graphs.chain or spec is None:
         return None
     return lambda num_steps: HeadDeviceLoop(graphs, drafter, num_steps, max_context)
