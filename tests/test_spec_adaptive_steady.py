@@ -177,3 +177,27 @@ def test_plain_steps_run_in_a_row_while_speculating_until_one_is_priced():
     for _ in range(MIN_SAMPLES):
         costs.observe(DECODE, 1, 1, 0.7 * MS)
     assert all(not policy.decide(["a"]).tier.off for _ in range(24))
+
+
+def test_a_looped_tier_run_synchronously_does_not_price_its_loop():
+    """A head's chain tier that runs in the device loop, stepped synchronously (a probe, a catch-up
+    after plain steps): at batch 1 on the H100 such a step drafted for ~1 ms on the host, and the
+    policy, filing that as the tier's draft cost, held the 1-chain where the 2-4 chains made 1.2x
+    more. The loop's own steps price a looped tier (`observe_loop`), steady or not."""
+    control = _control([(8, 1, 8)])
+    control.looped_chains = frozenset({8})
+    control.costs.profile(VERIFY, [(1, 9)], lambda b, q: 1.0 * MS)
+    control.costs.profile(DRAFT, [(1, 1)], lambda b, w: 1e-3 * MS)
+    reqs = _requests(1)
+    _step(control, reqs, 0.8, prefill=True)
+    for _ in range(MIN_SAMPLES + 2):
+        assert _step(control, reqs, 3.0, draft_ms=1.0) == CHAIN8
+    assert control.costs.estimate(VERIFY, 1, 9) == pytest.approx(1.0 * MS)
+    assert control.costs.estimate(DRAFT, 1, 1) == pytest.approx(1e-3 * MS)
+    for _ in range(MIN_SAMPLES):
+        control.observe_loop(1, 8, 1.2 * MS)
+    assert control.costs.estimate(VERIFY, 1, 9) > 1.0 * MS
+    control.looped_chains = frozenset()  # without a loop the same steps are the tier's price
+    for _ in range(MIN_SAMPLES + 2):
+        _step(control, reqs, 3.0, draft_ms=1.0)
+    assert control.costs.estimate(DRAFT, 1, 1) > 0.5 * MS

@@ -91,6 +91,10 @@ class AdaptiveSpeculation:
             draft_per_step=spec.method != "ngram",
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
+        # Chain lengths the engine runs in a device loop: their prices come from loop steps only
+        # (profiled, then `observe_loop`), never from the same tier run synchronously, which a
+        # head's chain pays ~1 ms of host drafting for at batch 1 (the loop: nothing extra).
+        self.looped_chains: frozenset[int] = frozenset()
         self.predicted_goodput = 0.0
         self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
         self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
@@ -229,6 +233,8 @@ class AdaptiveSpeculation:
                 cost = seconds if overlapped else seconds - phases.get("draft", 0.0)
                 self.costs.observe(DECODE if overlapped else VERIFY, batch, 1, cost)
             return
+        if self.tier.topk == 1 and self.tier.num_steps in self.looped_chains:
+            return  # a loop tier run synchronously (a probe, a catch-up): its loop steps price it
         drafting = phases.get("draft", 0.0)
         if clean:
             width = max(self.tier.query_len, max(item.num_tokens for item in items))

@@ -140,6 +140,7 @@ class Engine:
         )
         if self.adaptive is not None:
             self.adaptive.overlapped_off = self._overlap_off
+            self.adaptive.looped_chains = frozenset(self.device_loops)
             self.adaptive.shapes = verify_shapes(buckets)
             if isinstance(self.drafter, NgramDrafter):  # a host lookup: scored while off, for free
                 self.adaptive.use_shadow(self.drafter.lookup)
