@@ -43,12 +43,16 @@ def _pick_chunk_kernel(max_ptr, arg_ptr, out_ptr, chunks, BLOCK_C: tl.constexpr)
     tl.store(out_ptr + row, tl.sum(tl.where(c == first, arg, 0), axis=0))
 
 
-def row_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """[B, V] logits (any float dtype) → the argmax of each row [B] int64 (ties: lowest id)."""
+def logit_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` checked to be [B, V] with V > 0, with unit-stride rows (a copy only where needed)."""
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits: expected a non-empty [B, V] tensor, got shape {tuple(logits.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
+def row_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[B, V] logits (any float dtype) → the argmax of each row [B] int64 (ties: lowest id)."""
+    logits = logit_rows(logits)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve_kernels.argmax import logit_rows
+
 
 @triton.jit
 def _draft_top1_kernel(logits_ptr, token_ptr, prob_ptr, vocab, stride, BLOCK: tl.constexpr):
@@ -37,10 +39,7 @@ def _draft_top1_kernel(logits_ptr, token_ptr, prob_ptr, vocab, stride, BLOCK: tl
 
 def draft_top1(logits: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] logits (any float dtype) → (top-1 token ids [B] int64, their probabilities [B] float32)."""
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(f"logits: expected a non-empty [B, V] tensor, got shape {tuple(logits.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    logits = logit_rows(logits)
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     probs = torch.empty(rows, dtype=torch.float32, device=logits.device)

@@ -137,3 +137,22 @@ def assert_follows(samples: list[int], expected: np.ndarray) -> None:
     assert counts[~keep].sum() == 0, "a token outside the filtered support was emitted"
     stat = chisquare(counts[keep], expected[keep] / expected[keep].sum() * len(samples))
     assert stat.pvalue > 1e-3, stat
+
+
+def loop_llm(target, speculative=None, max_total_tokens: int = 4096, **kwargs):
+    """An fp32 CPU engine with the device loop's prerequisites (CUDA-graph buckets run uncaptured,
+    the Triton backend's paths; page size 4 unless given): the device-loop tests' engine."""
+    from specserve import LLM
+
+    return LLM(
+        target,
+        device="cpu",
+        dtype="float32",
+        page_size=kwargs.pop("page_size", 4),
+        max_total_tokens=max_total_tokens,
+        attention_backend="triton",
+        cuda_graphs=True,
+        cuda_graph_max_batch=4,
+        speculative=speculative,
+        **kwargs,
+    )

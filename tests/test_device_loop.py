@@ -18,6 +18,8 @@ from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
 from specserve.engine.device_loop import DeviceLoop
 
+from engine_utils import loop_llm
+
 LOOP = {"method": "ngram", "num_steps": 4, "device_steps": 4}
 
 
@@ -36,18 +38,7 @@ def launches(monkeypatch):
 
 
 def _llm(target, speculative=None, **kwargs) -> LLM:
-    return LLM(
-        target,
-        device="cpu",
-        dtype="float32",
-        page_size=kwargs.pop("page_size", 4),
-        max_total_tokens=4096,
-        attention_backend="triton",
-        cuda_graphs=True,
-        cuda_graph_max_batch=4,
-        speculative=speculative,
-        **kwargs,
-    )
+    return loop_llm(target, speculative, **kwargs)
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:

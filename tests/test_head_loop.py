@@ -24,6 +24,8 @@ from specserve.model.head_checkpoint import random_head, save_head
 from specserve.train.data import GenerationSettings, generate_responses
 from specserve.train.trainer import TrainConfig, train_head
 
+from engine_utils import loop_llm
+
 VOCAB = 96
 HEADS = {"eagle3": {"draft_vocab_size": 64}, "eagle": {"layers_per_module": 2}, "mtp": {"num_modules": 3}}
 
@@ -83,18 +85,7 @@ def _llm(target, method=None, folder=None, device_steps=4, num_steps=4, **kw) ->
             "num_steps": num_steps,
             "device_steps": device_steps,
         }
-    return LLM(
-        target,
-        device="cpu",
-        dtype="float32",
-        page_size=kw.pop("page_size", 4),
-        max_total_tokens=2048,
-        attention_backend="triton",
-        cuda_graphs=True,
-        cuda_graph_max_batch=4,
-        speculative=spec,
-        **kw,
-    )
+    return loop_llm(target, spec, max_total_tokens=2048, **kw)
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -216,10 +207,7 @@ def test_adaptive_tiers(small_vocab_target, heads, launches):
         "adaptive": {"tiers": ["off", 1, 2, 4]},
         "device_steps": 4,
     }
-    llm = LLM(
-        small_vocab_target, device="cpu", dtype="float32", page_size=4, max_total_tokens=2048,
-        attention_backend="triton", cuda_graphs=True, cuda_graph_max_batch=4, speculative=spec,
-    )  # fmt: skip
+    llm = loop_llm(small_vocab_target, spec, max_total_tokens=2048)
     loops = llm.engine.device_loops
     assert sorted(loops) == [1, 2, 4] and all(isinstance(loop, HeadDeviceLoop) for loop in loops.values())
     records = [_record_loop_drafts(loop) for loop in loops.values()]
