@@ -21,7 +21,7 @@ def shipped_head(model: str | None) -> Path | None:
     if name not in ASSETS:  # heads ship for named models only, never for a path
         return None
     folder = HEADS_DIR / name
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
     return None
 

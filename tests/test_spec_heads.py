@@ -148,6 +148,12 @@ def test_head_folder_round_trip_and_errors(target, heads, tmp_path):
     torch.testing.assert_close(
         stored.step_modules[0].midlayer.self_attn.qkv_proj.weight, torch.cat([q, k, v])
     )
+    sharded = save_head(tmp_path / "sharded", config, tensors, max_shard_bytes=20_000)
+    assert (
+        len(list(sharded.glob("*.safetensors"))) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    )
+    again = load_head(sharded, "eagle3", target.model, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(again.step_modules[0].fc.weight, tensors["fc.weight"])
     del tensors["norm.weight"]
     broken = save_head(tmp_path / "broken", config, tensors)
     with pytest.raises(ValueError, match="speculative.draft_model.*norm"):

@@ -19,7 +19,7 @@ from torch import nn
 
 from specserve.model.arch import ModelArch, arch_from_hf_config
 from specserve.model.draft_heads import HEAD_METHODS, DraftHead, HeadSpec
-from specserve.model.hf_loader import load_safetensors_folder, read_hf_config
+from specserve.model.hf_loader import SHARD_INDEX, load_safetensors_folder, read_hf_config
 from specserve.model.layers import RotaryEmbedding, StackedLinear
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.weights import load_stacked_weights
@@ -281,11 +281,34 @@ def head_checkpoint(
     return _head_config(head.spec, target, head.spec.num_modules), tensors
 
 
-def save_head(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+def save_head(
+    folder: str | Path, config: dict, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None = None
+) -> Path:
+    """A head folder: config.json and model.safetensors, or, with `max_shard_bytes`, shards of at
+    most that size (a tensor bigger than it gets one of its own) and HF's index of them (how a
+    head ships inside the package: no file of the repository over 5 MB)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, folder / "model.safetensors")
+    tensors = {n: t.contiguous() for n, t in tensors.items()}
+    if max_shard_bytes is None:
+        save_file(tensors, folder / "model.safetensors")
+        return folder
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        if (
+            shards[-1]
+            and sum(x.numel() * x.element_size() for x in shards[-1].values()) + size > max_shard_bytes
+        ):
+            shards.append({})
+        shards[-1][name] = t
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    (folder / SHARD_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return folder
 
 
