@@ -170,7 +170,7 @@ def instrument_spec(engine, timers: Timers) -> None:
         timers.wrap(drafter.head, "run", "device:draft")
         timers.wrap(drafter.head, "logits", "device:draft")
         if drafter.graphs is not None:
-            timers.wrap(drafter.graphs, "_chain_forward", "device:draft")
+            timers.wrap(drafter.graphs, "chain_forward", "device:draft")
             timers.wrap(drafter.graphs, "_extend_forward", "device:draft")
             timers.wrap(drafter.graphs, "greedy_tokens", "device:draft")  # the seeds' top-1 kernel
 

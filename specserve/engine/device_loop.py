@@ -219,14 +219,21 @@ class DeviceLoop:
     def _iteration(self, batch: int) -> None:
         """One speculative step of the first `batch` rows, all on the device: draft, input, forward,
         accept; its record in `records`."""
+        self._verify(batch)
+
+    def _verify(self, batch: int, given: torch.Tensor | None = None):
+        """The verify of the first `batch` rows: its input (n-gram drafts, or `given` ones), the
+        bucket's forward, the greedy accept and append. Returns the bucket's graph, the rows' argmax
+        [batch, k + 1] and the forward's features (what a head drafts from)."""
         hist, lengths, limits = self.hist[:batch], self.lengths[:batch], self.limits[:batch]
         graph = self.graphs.graphs[(batch, self.query_len)]
         table, a = self.graphs.page_table[:batch], graph.attention
         inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
-        drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup)
-        logits = self.graphs.forward(graph)[2]
+        drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup, given=given)
+        hidden, aux, logits = self.graphs.forward(graph)
         target = self.argmax(logits).view(batch, self.query_len)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
+        return graph, target, hidden if aux is None else aux
 
     def _copy_pages(self, reqs: list[Request], batch: int) -> None:
         pages = self.graphs.page_table.shape[1]
@@ -300,7 +307,10 @@ def make_device_loops(
     1 and a plain decoder (followers replay only what rank 0 broadcasts; a hybrid's states commit
     per verify on the host). `head_loop`: the loop of a chain length for a head drafter that can
     draft on the device (`HeadDeviceLoop`), None where it cannot; n-gram drafts need none."""
-    if spec is None or (steps := _run_steps(spec)) <= 0:
+    if spec is None:
+        return {}, 0
+    steps = spec.device_steps if spec.device_steps is not None else DEVICE_STEPS
+    if steps <= 0:
         return {}, 0
     explicit = spec.device_steps is not None
     if graphs is None or not single_rank:
@@ -329,10 +339,6 @@ def make_device_loops(
         }
     loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
     return loops, (steps if loops else 0)
-
-
-def _run_steps(spec: SpeculativeConfig) -> int:
-    return spec.device_steps if spec.device_steps is not None else DEVICE_STEPS
 
 
 def loop_ready(req: Request) -> bool:

@@ -117,20 +117,13 @@ class HeadDeviceLoop(DeviceLoop):
         k, dg = self.num_steps, self.draft_graphs
         bucket = dg.chain[batch]
         if k > 1:
-            dg._chain_forward(bucket, batch, k - 1)
+            dg.chain_forward(bucket, batch, k - 1)
         else:
             dg.tokens[0, :batch].copy_(bucket.ids)
         given = self.given[:batch]
         given.copy_(dg.tokens[:k, :batch].t())
-        hist, lengths, limits = self.hist[:batch], self.lengths[:batch], self.limits[:batch]
-        graph = self.graphs.graphs[(batch, self.query_len)]
-        table, a = self.graphs.page_table[:batch], graph.attention
-        inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
-        drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup, given=given)
-        hidden, aux, logits = self.graphs.forward(graph)
-        target = self.argmax(logits).view(batch, self.query_len)
-        self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
-        self._extend(bucket, batch, graph, target, hidden if aux is None else aux)
+        graph, target, features = self._verify(batch, given)
+        self._extend(bucket, batch, graph, target, features)
 
     def _extend(self, bucket, batch: int, graph, target: torch.Tensor, features: torch.Tensor) -> None:
         """The head over every verify row (fixed shape), then the next seed, tail and position of

@@ -246,7 +246,7 @@ class DraftGraphs:
         if self.captured:
             bucket.graphs[most].replay()
         else:
-            self._chain_forward(bucket, batch, most)
+            self.chain_forward(bucket, batch, most)
         # Row j of `tokens` holds every request's draft j: request i's draft j is entry j * W + i.
         width = self.tokens.shape[1]
         self._pending = self.tokens[: most + 1].view(-1)
@@ -264,7 +264,7 @@ class DraftGraphs:
         return pending
 
     @torch.inference_mode()
-    def _chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
+    def chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
         """Steps 1 .. `steps` as `HeadDrafter._draft_step` runs them, every row in each: step s runs
         module m = min(s, k-1), over the s positions since the extend while m is new to the chain
         (fresh), else over the newest one. A row past its own steps turns into a pad row (positions
@@ -373,7 +373,7 @@ class DraftGraphs:
         jobs = [
             (b * q, (lambda g=g: self._extend_forward(g)), g, None) for (b, q), g in self.extend.items()
         ] + [
-            (b * n, (lambda c=c, b=b, n=n: self._chain_forward(c, b, n)), c, n)
+            (b * n, (lambda c=c, b=b, n=n: self.chain_forward(c, b, n)), c, n)
             for b, c in self.chain.items()
             for n in range(1, self.shapes.chain_steps + 1)
         ]
