@@ -13,6 +13,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 # vllm-flash-attn's paged KV: "Paged KV cache block size must be divisible by 16" (its 2.6 kernels).
 FLASH_PAGE_MULTIPLE = 16
+PREFILL_GRAPH_TOKENS = 512  # the default largest prefill graph on CUDA (EngineConfig)
 
 
 # Head methods whose chains may run in the device loop (a head of one step module: checked at load).
@@ -332,6 +333,11 @@ class EngineConfig:
     # True on the CPU runs the same padded static-buffer path without capture, which tests use).
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64  # the largest batch bucket captured
+    # Token rows of the largest prefill graph: steps that sample at most one row a request (prompts,
+    # mixed prompt and decode steps) of up to this many tokens replay a graph of 32, 64, ... tokens a
+    # request (None: 512 on CUDA, 0 elsewhere; 0: such steps run eagerly). At batch 1 an eager
+    # prefill of ~100 tokens is ~11 ms of kernel launches against ~1 ms replayed.
+    cuda_graph_prefill_tokens: int | None = None
     # Overlap scheduling: the host schedules and launches step n+1 before collecting step n's tokens
     # (None: on without speculative decoding at TP size 1, and for adaptive speculation's plain steps
     # when its drafter reads no target features (n-gram, standalone); not available otherwise yet).
@@ -379,6 +385,12 @@ class EngineConfig:
             isinstance(self.cuda_graph_max_batch, int) and self.cuda_graph_max_batch >= 1,
             "cuda_graph_max_batch",
             "must be an integer >= 1",
+        )
+        _require(
+            self.cuda_graph_prefill_tokens is None
+            or (isinstance(self.cuda_graph_prefill_tokens, int) and self.cuda_graph_prefill_tokens >= 0),
+            "cuda_graph_prefill_tokens",
+            "must be null or an integer >= 0",
         )
         _require(
             isinstance(self.tp_size, int) and not isinstance(self.tp_size, bool) and self.tp_size >= 1,
@@ -438,6 +450,12 @@ class EngineConfig:
             return self.cuda_graphs
         triton = self.attention_backend in ("auto", "triton")
         return triton and self.torch_device().type == "cuda" and self.tp_size == 1
+
+    def prefill_graph_tokens(self) -> int:
+        """Token rows of the largest prefill graph bucket (0: none)."""
+        if self.cuda_graph_prefill_tokens is not None:
+            return self.cuda_graph_prefill_tokens
+        return PREFILL_GRAPH_TOKENS if self.torch_device().type == "cuda" else 0
 
     def use_overlap(self) -> bool:
         if self.overlap_schedule is not None:

@@ -24,7 +24,8 @@ class LLM:
     `attention_backend`: "auto" (Triton kernels on CUDA, plain torch on the CPU), "torch", "triton" or
     "flash" (vllm-flash-attn where it imports; CUDA, fp16/bf16, `page_size` a multiple of 16).
     `cuda_graphs`: decode and verify steps replay CUDA graphs captured per batch bucket up to
-    `cuda_graph_max_batch` (default: on with the Triton backend on CUDA). `overlap_schedule`: the
+    `cuda_graph_max_batch` (default: on with the Triton backend on CUDA), and prompts of up to
+    `cuda_graph_prefill_tokens` tokens a step (default 512 on CUDA). `overlap_schedule`: the
     host prepares step n+1 while the device runs step n (default: on without speculation).
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
     (e.g. `{"method": "ngram", "num_steps": 4}`), a method name, or "default": the draft head
@@ -55,6 +56,7 @@ class LLM:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         cuda_graph_max_batch: int = 64,
+        cuda_graph_prefill_tokens: int | None = None,
         overlap_schedule: bool | None = None,
     ) -> None:
         loaded = model if isinstance(model, LoadedModel) else None
@@ -66,6 +68,7 @@ class LLM:
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
             cuda_graph_max_batch=cuda_graph_max_batch,
+            cuda_graph_prefill_tokens=cuda_graph_prefill_tokens,
             overlap_schedule=overlap_schedule,
             seed=seed,
             speculative=SpeculativeConfig.from_value(speculative, loaded.location.name if loaded else model),

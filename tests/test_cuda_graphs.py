@@ -15,7 +15,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
-from specserve.engine.step_input import build_step_input, unpack_step_input
+from specserve.engine.step_input import PREFILL_GRAPH, build_step_input, unpack_step_input
 from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
 from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
@@ -90,6 +90,22 @@ def test_buckets():
     assert trees.pick(17, 65, tree=True) is None and trees.pick(30, 1) == (32, 1)
     assert (24, 65) not in trees.shapes() and (16, 65) in trees.shapes()
     assert buckets.pick(2, 3, tree=True) is None  # no masked bucket: a tree step stays eager
+    assert buckets.prefill_lens == () and buckets.pick_prefill(1, 5, 1) is None
+
+
+def test_prefill_buckets():
+    buckets = GraphBuckets.for_engine(max_batch=40, max_draft=4, prefill_rows=128)
+    assert buckets.prefill_lens == (16, 32, 64, 128) and buckets.query_lens == (1, 5)
+    assert buckets.prefill_shapes() == [(1, 16), (2, 16), (4, 16), (8, 16), (1, 32), (2, 32), (4, 32)] + [
+        (1, 64),
+        (2, 64),
+        (1, 128),
+    ]
+    assert buckets.pick_prefill(1, 100, 1) == (1, 128)
+    assert buckets.pick_prefill(3, 20, 3) == (4, 32)
+    assert buckets.pick_prefill(2, 129, 1) is None  # past the longest
+    assert buckets.pick_prefill(2, 100, 1) is None  # (2, 128) is past the rows
+    assert buckets.pick_prefill(1, 10, 2) is None  # two logit rows for one request: input logprobs
 
 
 def test_padding_touches_no_real_slot():
@@ -112,9 +128,16 @@ def test_padding_touches_no_real_slot():
     assert step.logit_rows.tolist() == [0, 1, 2, 3]  # the real rows only
     copy = unpack_step_input(step.layout(), step.packed.clone())
     assert copy.graphed and torch.equal(copy.attention.page_table, step.attention.page_table)
-    # A step whose logit rows are not its token rows (a prefill) stays eager.
+    # A step whose logit rows are not its token rows (a prefill) stays eager without prefill buckets.
     prefill = [ScheduledItem.of(r, r.prompt_len) for r in reqs]
     assert not build_step_input(prefill, 4, torch.device("cpu"), lambda b, q: (4, 16)).graphed
+    # With them it is padded like a verify step, its logit rows the real last rows.
+    step = build_step_input(prefill, 4, torch.device("cpu"), None, None, lambda b, q, r: (4, 16))
+    assert step.graphed == PREFILL_GRAPH and step.layout()[0] == 64 and step.num_tokens == 16
+    assert step.attention.query_start.tolist() == [0, 5, 14, 16, 16]
+    assert step.logit_rows.tolist() == [4, 13, 15]
+    assert step.attention.slot_mapping[16:].tolist() == [0] * 48
+    assert unpack_step_input(step.layout(), step.packed.clone()).graphed == PREFILL_GRAPH
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -160,6 +183,55 @@ def test_hidden_state_drafter_reads_graphed_features(target, graphed_runs, tmp_p
         r.meta["spec_accepted_tokens"] for r in reference
     ]
     assert graphed_runs
+
+
+@pytest.mark.parametrize("speculative", [None, "eagle3"])
+def test_prefill_steps_replay_prefill_buckets(target, graphed_runs, extend_runs, speculative, tmp_path):
+    """Prompts (with decodes beside them) replay the prefill buckets, EAGLE-3's extend over them
+    its prefill extend buckets; outputs equal eager steps. A request asking for its prompt's
+    logprobs (a logit row a prompt token) stays eager, and so does a prompt past the largest bucket."""
+    spec = None
+    if speculative:
+        config, tensors = random_head("eagle3", target.arch, seed=5)
+        folder = save_head(tmp_path / "h", config, tensors)
+        spec = {"method": "eagle3", "draft_model": str(folder), "num_steps": 3}
+    eager = _llm(target, False, 16, speculative=spec)
+    llm = _llm(target, True, 16, speculative=spec, cuda_graph_prefill_tokens=128)
+    prompts = _prompts(3, seed=3)
+    assert_same_outputs(llm.generate(prompts, _params(3)), eager.generate(prompts, _params(3)))
+    assert [q for _, q in graphed_runs if q >= 16], "no prefill step replayed a prefill bucket"
+    if speculative:
+        assert any(q >= 16 for _, q in extend_runs), "the head's extend over a prompt ran eagerly"
+    graphed_runs.clear()
+    # 140 tokens: past (1, 128); prompt logprobs: a logit row a token. Both stay eager.
+    prompts = [[11] * 140, prompts[0]]
+    params = _params(1) + [
+        SamplingParams(
+            max_new_tokens=5, temperature=0.0, ignore_eos=True, return_logprob=True, logprob_start_len=0
+        )
+    ]
+    outs, reference = llm.generate(prompts, params), eager.generate(prompts, params)
+    assert_same_outputs(outs, reference)
+    mine, theirs = (o.meta["input_token_logprobs"] for o in (outs[1], reference[1]))
+    assert len(mine) == len(theirs) == len(prompts[1])
+    assert all(a[0] is None or abs(a[0] - b[0]) <= 1e-4 for a, b in zip(mine, theirs, strict=True))
+    assert not [q for _, q in graphed_runs if q >= 16]
+
+
+@pytest.fixture
+def extend_runs(monkeypatch):
+    """The extend buckets a head drafter's graphs ran."""
+    from specserve.spec.draft_graphs import DraftGraphs
+
+    calls = []
+    original = DraftGraphs.run_extend
+
+    def counting(self, feeds, features, rows, previous):
+        calls.append(self.extend_bucket(len(feeds), max(len(t) for _, _, t in feeds)))
+        return original(self, feeds, features, rows, previous)
+
+    monkeypatch.setattr(DraftGraphs, "run_extend", counting)
+    return calls
 
 
 @pytest.mark.gpu

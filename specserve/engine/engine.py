@@ -117,9 +117,11 @@ class Engine:
         self.runner = make_runner(self.model, self.backend, self.kv_cache, self.tp, graphs, self.states)
         buckets = self.runner.graph_buckets
         self._graph_bucket = buckets.pick if buckets is not None else None
+        self._prefill_bucket = buckets.pick_prefill if buckets is not None and buckets.prefill_lens else None
         if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
             chain, depth = _draft_depths(config.speculative)
-            self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len)
+            prefill = (buckets.prefill_lens, buckets.prefill_rows)
+            self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len, prefill)
         self.device_loops, self._loop_steps = make_device_loops(
             config.speculative if self.drafter is not None else None,
             self.runner.graphs,
@@ -302,7 +304,9 @@ class Engine:
     def build_input(self, items: list[ScheduledItem], future: dict[str, int] | None = None) -> StepInput:
         """The model input of a scheduled batch (`build_step_input`; `future`: overlap scheduling's
         rows of in-flight tokens), with a hybrid model's recurrent layout."""
-        inp = build_step_input(items, self.kv.page_size, self.device, self._graph_bucket, future)
+        inp = build_step_input(
+            items, self.kv.page_size, self.device, self._graph_bucket, future, self._prefill_bucket
+        )
         if self.states is None:
             return inp
         m = self.arch.mamba
@@ -1014,7 +1018,7 @@ def graph_buckets(config: EngineConfig) -> GraphBuckets:
     tiers = configured_tiers(spec) if spec is not None and spec.adaptive is not None else ()
     chains = tuple(t.query_len for t in tiers if t.topk == 1 and not t.off)
     max_batch = min(config.cuda_graph_max_batch, config.scheduler.max_running_requests)
-    return GraphBuckets.for_engine(max_batch, max_draft, tree_len, chains)
+    return GraphBuckets.for_engine(max_batch, max_draft, tree_len, chains, config.prefill_graph_tokens())
 
 
 def verify_shapes(buckets: GraphBuckets | None) -> VerifyShapes:

@@ -65,13 +65,16 @@ class StepInput:
     sample_logit_rows: torch.Tensor  # [S] every sample row, concatenated, on the device
     input_logprobs: tuple[InputLogprobRows, ...]
     packed: torch.Tensor  # the flat int64 device buffer every tensor above is a view of
-    # Padded to a CUDA-graph bucket (batch_size, max_query_len): the runner replays that graph, and
-    # the first `logit_rows.shape[0]` rows of its outputs are this step's.
-    graphed: bool = False
+    # Padded to a CUDA-graph bucket (batch_size, max_query_len): the runner replays that graph
+    # (STEP_GRAPH: decode/verify, whose first `logit_rows.shape[0]` rows are this step's;
+    # PREFILL_GRAPH: a prefill bucket, which computes the logits of `logit_rows`); 0: eager.
+    graphed: int = 0
     # Ancestor entries of the tree mask packed after the sample rows; -1: no custom mask.
     mask_entries: int = -1
     # A hybrid model's Mamba-2 layout (`specserve.engine.recurrent_batch`), set by the engine; rank 0 only.
     recurrent: RecurrentBatch | None = None
+    # The real token rows of a padded step (its first rows); None: a follower's, which reads no outputs.
+    num_tokens: int | None = None
 
     def layout(self) -> list[int]:
         """The sizes (STEP_LAYOUT_LEN ints) that rebuild this step's device tensors from `packed`."""
@@ -91,6 +94,7 @@ class StepInput:
 
 
 STEP_LAYOUT_LEN = 10
+STEP_GRAPH, PREFILL_GRAPH = 1, 2  # `StepInput.graphed`
 
 
 def graph_head_size(tokens: int, batch: int) -> int:
@@ -122,7 +126,7 @@ def unpack_step_input(layout: Sequence[int], packed: torch.Tensor) -> StepInput:
     ids, pos, *layout_tensors, rows, sample_rows = views[:8]
     mask = tree_mask(*views[8:], layout[6]) if layout[9] >= 0 else None
     attention = _attention_batch(layout_tensors, *layout[5:8], mask)
-    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed, bool(layout[8]), layout[9])
+    return StepInput(ids, pos, attention, rows, (), (), sample_rows, (), packed, layout[8], layout[9])
 
 
 def build_step_input(
@@ -131,10 +135,12 @@ def build_step_input(
     device: torch.device,
     graph_bucket: Callable[[int, int], tuple[int, int] | None] | None = None,
     future: Mapping[str, int] | None = None,
+    prefill_bucket: Callable[[int, int, int], tuple[int, int] | None] | None = None,
 ) -> StepInput:
     """`graph_bucket(batch, max_query_len[, tree=True])`: the CUDA-graph bucket (batch, query len) a
     decode or verify step of that shape (with a draft tree: a bucket with a tree mask) is padded to,
-    or None (eager). `future`: for requests whose last
+    or None (eager); `prefill_bucket(batch, max_query_len, logit_rows)`: the prefill bucket of any
+    other step without trees, or None. `future`: for requests whose last
     token an in-flight step is still sampling (FUTURE_TOKEN), that token's row among the in-flight
     step's samples; its id goes in as -(row + 1), for the runner to resolve on the device."""
     ids: list[int] = []
@@ -163,7 +169,7 @@ def build_step_input(
             logit_rows.extend(range(offset + item.num_known - 1, offset + item.num_tokens))
     flat_sample_rows = [r for rows in sample_rows for r in rows]
     query_lens = [item.num_tokens for item in items]
-    pad = None
+    pad, graphed = None, 0
     has_tree = any(f is not None for f in forest)
     if graph_bucket is not None and logit_rows == list(range(len(ids))):
         # A tree needs a bucket with a mask; other steps take any (a masked one fills in causal).
@@ -172,6 +178,9 @@ def build_step_input(
             if has_tree
             else graph_bucket(len(items), max(query_lens))
         )
+        graphed = STEP_GRAPH
+    if pad is None and prefill_bucket is not None and not has_tree:
+        pad, graphed = prefill_bucket(len(items), max(query_lens), len(logit_rows)), PREFILL_GRAPH
     input_ids, pos, attention, (rows, sample_rows_t), packed, mask_entries = _batch_tensors(
         [item.request for item in items],
         [item.start for item in items],
@@ -193,8 +202,9 @@ def build_step_input(
         sample_logit_rows=sample_rows_t,
         input_logprobs=tuple(input_lp),
         packed=packed,
-        graphed=pad is not None,
+        graphed=graphed if pad is not None else 0,
         mask_entries=mask_entries,
+        num_tokens=len(ids),
     )
 
 

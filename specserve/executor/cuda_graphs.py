@@ -11,6 +11,12 @@ Draft-tree verify steps use query len num_draft_tokens + 1 in buckets with a sta
 (`masked_lens`, only up to `max_masked_batch`: every token row's logits are kept); a step without a
 tree that lands there gets the causal mask.
 
+Prefill buckets (`prefill_lens`, up to `prefill_rows` token rows a bucket) take steps that sample at
+most one row a request: a prompt, or prompts beside decodes. Their graphs compute the logits of the
+rows a static index names (the step's logit rows, copied in before the replay), not of every row: a
+prompt of 500 tokens needs one. An eager prefill of ~100 tokens at batch 1 costs ~11 ms of Python
+kernel launches on an H100; its replay, about a decode step.
+
 Buckets are captured largest first into one memory pool. The attention's key-split count is fixed
 at capture for the longest context, so one graph serves every context length. Without CUDA (tests on
 the CPU) the same buffers and padding run eagerly instead of being captured.
@@ -27,7 +33,7 @@ import torch
 
 from specserve.attention.backend import AttentionBackend, AttentionBatch
 from specserve.engine.kv_cache import KVCache
-from specserve.engine.step_input import StepInput, graph_head_size, resolve_future_ids
+from specserve.engine.step_input import PREFILL_GRAPH, StepInput, graph_head_size, resolve_future_ids
 from specserve.model.llama import LlamaForCausalLM
 
 # (final hidden [T, H], captured residual streams or None, fp32 logits [T, V]) of every token row
@@ -48,22 +54,31 @@ class GraphBuckets:
     query_lens: tuple[int, ...]  # ascending
     masked_lens: tuple[int, ...] = ()  # query lens whose buckets carry a tree mask
     max_masked_batch: int = 0
+    prefill_lens: tuple[int, ...] = ()  # ascending query lens of prefill buckets
+    prefill_rows: int = 0  # token rows of the largest prefill bucket
 
     @classmethod
     def for_engine(
-        cls, max_batch: int, max_draft: int, tree_len: int = 0, extra_lens: tuple[int, ...] = ()
+        cls,
+        max_batch: int,
+        max_draft: int,
+        tree_len: int = 0,
+        extra_lens: tuple[int, ...] = (),
+        prefill_rows: int = 0,
     ) -> GraphBuckets:
         """Batch sizes 1, 2, 4, 8, then every 8 up to `max_batch`; query len 1 (decode) and, with
         speculation, `max_draft` + 1 (chain verify) or `tree_len` (tree verify, masked, at most
         MAX_MASKED_ROWS token rows a bucket); `extra_lens`: more query lens (adaptive speculation's
-        shorter chains, so a short draft is not padded to the longest)."""
+        shorter chains, so a short draft is not padded to the longest); prefill buckets of 16, 32,
+        ... tokens a request up to `prefill_rows` rows a bucket."""
         sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 8)) + [max_batch]
-        sizes = [b for b in sizes if b >= min(MIN_GRAPH_BATCH, max_batch)]
+        sizes = tuple(sorted({b for b in sizes if b >= min(MIN_GRAPH_BATCH, max_batch)}))
         lens = tuple(sorted({1, *extra_lens, *((max_draft + 1,) if max_draft > 0 else ())}))
+        prefill = prefill_lens(sizes[0], prefill_rows)
         if tree_len > 1:
             most = max(1, min(max_batch, MAX_MASKED_ROWS // tree_len))
-            return cls(tuple(sorted(set(sizes))), tuple(sorted({*lens, tree_len})), (tree_len,), most)
-        return cls(tuple(sorted(set(sizes))), lens)
+            return cls(sizes, tuple(sorted({*lens, tree_len})), (tree_len,), most, prefill, prefill_rows)
+        return cls(sizes, lens, prefill_lens=prefill, prefill_rows=prefill_rows)
 
     def pick(self, batch: int, max_query_len: int, tree: bool = False) -> tuple[int, int] | None:
         """The bucket of a step (`tree`: it carries a tree mask, so only a masked bucket serves)."""
@@ -74,6 +89,15 @@ class GraphBuckets:
             return None
         return b, q
 
+    def pick_prefill(self, batch: int, max_query_len: int, logit_rows: int) -> tuple[int, int] | None:
+        """The prefill bucket of a step of `batch` requests sampling `logit_rows` rows (at most one a
+        request: the bucket's logit index has a row a request)."""
+        b = next((s for s in self.batch_sizes if s >= batch), None)
+        q = next((s for s in self.prefill_lens if s >= max_query_len), None)
+        if b is None or q is None or b * q > self.prefill_rows or logit_rows > b:
+            return None
+        return b, q
+
     def shapes(self) -> list[tuple[int, int]]:
         return [
             (b, q)
@@ -81,6 +105,18 @@ class GraphBuckets:
             for b in self.batch_sizes
             if q not in self.masked_lens or b <= self.max_masked_batch
         ]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        return [(b, q) for q in self.prefill_lens for b in self.batch_sizes if b * q <= self.prefill_rows]
+
+
+def prefill_lens(smallest_batch: int, rows: int) -> tuple[int, ...]:
+    """Query lens 16, 32, 64, ... of prefill buckets whose smallest batch fits `rows` token rows."""
+    lens, q = [], 16
+    while smallest_batch * q <= rows:
+        lens.append(q)
+        q *= 2
+    return tuple(lens)
 
 
 class _Graph:
@@ -94,6 +130,7 @@ class _Graph:
         page_size: int,
         max_seq_len: int,
         masked: bool = False,
+        prefill: bool = False,
     ) -> None:
         tokens = batch * query_len
         self.head = torch.zeros(graph_head_size(tokens, batch), dtype=torch.int64, device=page_table.device)
@@ -109,6 +146,10 @@ class _Graph:
             self.mask = self.causal.clone()
         self.attention = AttentionBatch(
             query_start, seq_lens, slots, page_table[:batch], page_size, query_len, max_seq_len, self.mask
+        )
+        # A prefill bucket's logit rows, one a request at most (pads read row 0).
+        self.logit_index = (
+            torch.zeros(batch, dtype=torch.int64, device=page_table.device) if prefill else None
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Outputs | None = None
@@ -137,6 +178,10 @@ class CudaGraphs:
             (b, q): _Graph(b, q, self.page_table, page_size, max_seq_len, q in buckets.masked_lens)
             for b, q in buckets.shapes()
         }
+        self.prefill = {
+            (b, q): _Graph(b, q, self.page_table, page_size, max_seq_len, prefill=True)
+            for b, q in buckets.prefill_shapes()
+        }
         self.captured = device.type == "cuda"
         self.pool = None  # the graphs' memory pool (later captures over these buckets share it)
         if self.captured:
@@ -150,16 +195,22 @@ class CudaGraphs:
         if capture != self.capture_layers:
             raise ValueError(f"capture: graphs were captured for layers {self.capture_layers}, not {capture}")
         a = step.attention
-        graph = self.graphs[(a.batch_size, a.max_query_len)]
+        key = (a.batch_size, a.max_query_len)
+        graph = self.prefill[key] if step.graphed == PREFILL_GRAPH else self.graphs[key]
         graph.head.copy_(step.packed[: graph.head.numel()])
         self.page_table[: a.batch_size, : a.page_table.shape[1]].copy_(a.page_table)
         if graph.mask is not None:
             graph.mask.copy_(a.custom_mask if a.custom_mask is not None else graph.causal)
+        rows = step.logit_rows.shape[0]
+        if graph.logit_index is not None:
+            graph.logit_index.zero_()
+            graph.logit_index[:rows].copy_(step.logit_rows)
         if future is not None:
             resolve_future_ids(graph.ids, future)
         hidden, aux, logits = self.replay(graph)
-        rows = step.logit_rows.shape[0]
-        return hidden[:rows], None if aux is None else aux[:rows], logits[:rows]
+        # A verify bucket's logit rows are its first token rows; a prefill's token rows are more.
+        tokens = rows if graph.logit_index is None else step.num_tokens or hidden.shape[0]
+        return hidden[:tokens], None if aux is None else aux[:tokens], logits[:rows]
 
     def replay(self, graph: _Graph) -> Outputs:
         """A bucket's forward over what its static inputs (and the page table) hold now: the caller
@@ -176,13 +227,14 @@ class CudaGraphs:
     def _forward(self, graph: _Graph) -> Outputs:
         ctx = self.backend.prepare(graph.attention, self.kv_cache)
         hidden, aux = self.model.forward_features(graph.ids, graph.positions, ctx, self.capture_layers)
-        return hidden, aux, self.model.compute_logits(hidden)
+        rows = hidden if graph.logit_index is None else hidden.index_select(0, graph.logit_index)
+        return hidden, aux, self.model.compute_logits(rows)
 
     def _capture_all(self) -> None:
         pool = None
+        every = [*self.graphs.values(), *self.prefill.values()]
         # Largest first, so smaller buckets reuse the pool's blocks.
-        for key in sorted(self.graphs, key=lambda k: (-k[0] * k[1], -k[0])):
-            graph = self.graphs[key]
+        for graph in sorted(every, key=lambda g: (-g.ids.shape[0], -g.attention.batch_size)):
             graph.graph, graph.outputs = capture(lambda graph=graph: self._forward(graph), pool)
             pool = graph.graph.pool()
         self.pool = pool

@@ -71,9 +71,17 @@ class DraftGraphShapes:
     batch_sizes: tuple[int, ...]  # ascending, the target's graph batch buckets
     chain_steps: int  # most chain steps after the first draft one round runs (0: no chain graphs)
     extend_lens: tuple[int, ...]  # ascending query lens of extend buckets (() : none)
+    # The extends after the target's prefill buckets (a prompt's): query lens, at most this many rows.
+    prefill_lens: tuple[int, ...] = ()
+    prefill_rows: int = 0
 
     def batch(self, batch: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= batch), None)
+
+    def extend_shapes(self) -> list[tuple[int, int]]:
+        every = [(b, q) for q in self.extend_lens for b in self.batch_sizes]
+        longer = [q for q in self.prefill_lens if q > max(self.extend_lens, default=0)]
+        return every + [(b, q) for q in longer for b in self.batch_sizes if b * q <= self.prefill_rows]
 
 
 class DeviceTokens:
@@ -177,13 +185,14 @@ class DraftGraphs:
         )
         # Module outputs just before each feed (modules 0 .. k-2), for modules 1 .. k-1 of the extend.
         self.previous = torch.zeros(most, max(self.num_modules - 1, 1), hidden, dtype=dtype, device=device)
-        rows = most * max(shapes.extend_lens, default=0)
+        extends = shapes.extend_shapes()
+        rows = max((b * q for b, q in extends), default=0)
         features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
         self.extend = {
             (b, q): _ExtendBucket(b, q, self.page_table, self.page_size, max_seq_len, features)
-            for q in shapes.extend_lens
-            for b in shapes.batch_sizes
+            for b, q in extends
         }
+        self._extend_lens = sorted({q for _, q in extends})
         self.argmax = row_argmax if use_triton(device) else row_argmax_ref
         self._pending: torch.Tensor | None = None  # `launch_chain`'s drafts, not read yet
         self.captured = device.type == "cuda"
@@ -304,7 +313,7 @@ class DraftGraphs:
 
     def extend_bucket(self, batch: int, max_len: int) -> tuple[int, int] | None:
         b = self.shapes.batch(batch)
-        q = next((q for q in self.shapes.extend_lens if q >= max_len), None)
+        q = next((q for q in self._extend_lens if q >= max_len and (b, q) in self.extend), None)
         return None if b is None or q is None else (b, q)
 
     def run_extend(

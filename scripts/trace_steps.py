@@ -1,0 +1,111 @@
+"""Where a bench run's wall time goes, engine step by engine step.
+
+Builds engines as `specserve bench offline` does (one model load, the bench's pool and batch
+settings), runs TRACE_PROMPTS (default 1) prompts at TRACE_BATCH (default 1), 256 new tokens, greedy,
+EOS ignored, and times every `Engine.step` on the host. Each step gets a kind:
+
+- `prefill`: a request still had prompt tokens to compute;
+- `loop-first`: the device loop launched a run and settled none (the host returns at once);
+- `loop`: a run was settled (with or without the next one queued: `loop-last` when none was);
+- `sync`: the synchronous path (plain decode, or a speculative step drafted on the host).
+
+Prints per system the bench's tok/s, then the time and count per kind, and the gaps between steps.
+
+    TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
+"""
+
+import argparse
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+from specserve import bench
+from specserve.bench_data import prompt_texts
+from specserve.cli_spec_args import parse_spec, spec_name
+from specserve.model.loader import load_model
+from specserve.model.tokenizer import chat_prompt_ids
+from specserve.types import SamplingParams
+
+SPECS = [s for s in os.environ.get("TRACE_SPECS", "ngram:12").split(";") if s]
+PROMPTS = int(os.environ.get("TRACE_PROMPTS", "1"))
+BATCH = int(os.environ.get("TRACE_BATCH", "1"))
+TOKENS = int(os.environ.get("TRACE_TOKENS", "256"))
+
+
+def _kind(engine, flight_before: bool, flight_after: bool) -> str:
+    if any(not r.decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+        return "prefill"
+    if flight_before:
+        return "loop" if flight_after else "loop-last"
+    return "loop-first" if flight_after else "sync"
+
+
+def traced_run(llm, prompts: list[list[int]]) -> tuple[float, dict, list[float], int]:
+    engine = llm.engine
+    times: dict[str, list[float]] = defaultdict(list)
+    stamps: list[tuple[float, float]] = []
+    original = engine.step
+
+    def step():
+        before = engine._loop_flight is not None
+        kind = _kind(engine, before, False)
+        start = time.perf_counter()
+        out = original()
+        end = time.perf_counter()
+        if kind != "prefill":
+            kind = _kind(engine, before, engine._loop_flight is not None)
+        times[kind].append(end - start)
+        stamps.append((start, end))
+        return out
+
+    engine.step = step
+    params = SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    engine.flush_cache()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    engine.step = original
+    gaps = [b[0] - a[1] for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
+    verifies = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
+    return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies
+
+
+def main() -> None:
+    loaded = load_model("smollm2-135m-instruct", torch.device("cuda"), torch.bfloat16)
+    texts = prompt_texts("mt-bench", seed=0)
+    chats = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    specs = [None] + [parse_spec(s) for s in SPECS]
+    args = argparse.Namespace(
+        device="cuda", dtype="bfloat16", page_size=16, attention_backend="auto", max_new_tokens=TOKENS
+    )
+    pool = bench._pool_tokens(chats[:64], args, 16)
+    for spec in specs:
+        llm = bench._engine(args, loaded, spec, 64, pool)
+        llm.generate(chats[:2], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        for p in range(PROMPTS):
+            batch = chats[p * BATCH : (p + 1) * BATCH]
+            runs = [traced_run(llm, batch) for _ in range(2)]
+            wall, times, gaps, verifies = min(runs, key=lambda r: r[0])
+            tokens = TOKENS * len(batch)
+            print(
+                f"\n## {spec_name(spec)} prompt {p} batch {len(batch)}: {tokens / wall:,.0f} tok/s, "
+                f"wall {wall * 1e3:.1f} ms, {verifies} verifies ({tokens / max(1, verifies):.2f} tokens each)"
+            )
+            for kind, ts in sorted(times.items()):
+                print(
+                    f"  {kind:11s} {len(ts):4d} steps {sum(ts) * 1e3:8.2f} ms  (mean {sum(ts) / len(ts) * 1e3:.3f})"
+                )
+            print(
+                f"  before first step {gaps[0] * 1e3:.2f} ms, after last {gaps[1] * 1e3:.2f} ms, "
+                f"between steps {sum(gaps[2:]) * 1e3:.2f} ms over {len(gaps) - 2}"
+            )
+        del llm
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
