@@ -16,6 +16,10 @@ iteration per request, all captured in one graph per batch bucket:
   accepted row's output and greedy draft become the next seed and tail (kept where a row took
   nothing: a finished or pad row).
 
+The bookkeeping around the head's forwards is one launch each (`kernels/head_glue.py`): a chain
+step's input, and the extend's settle; the split argmax stores the drafts straight into the verify's
+given drafts, and the seeds into the chain bucket.
+
 Only heads of one step module (EAGLE, EAGLE-3): a chain of MTP modules pairs each module with the
 one before through per-request shifts the fixed shape does not carry. The head's per-request state
 goes back to the requests (`hand_back`) when the loop stops running them, as the synchronous
@@ -36,6 +40,8 @@ from specserve.engine.request import Request
 from specserve.executor.cuda_graphs import CudaGraphs
 from specserve.spec.draft_graphs import DeviceTokens, DraftGraphs
 from specserve.spec.head_drafter import HeadDrafter, HeadState, has_seed, seed_tokens
+from specserve_kernels import use_triton
+from specserve_kernels.head_glue import extend_settle, extend_settle_ref
 
 
 class HeadDeviceLoop(DeviceLoop):
@@ -49,6 +55,7 @@ class HeadDeviceLoop(DeviceLoop):
         most = max(graphs.buckets.batch_sizes)
         self.given = torch.zeros(most, num_steps, dtype=torch.int64, device=device)
         self.steps_left = torch.full((most,), num_steps - 1, dtype=torch.int64, device=device)
+        self.settle = extend_settle if use_triton(device) else extend_settle_ref
         super().__init__(graphs, num_steps, 1, 1, max_context)
 
     def ready(self, req: Request) -> bool:
@@ -116,34 +123,35 @@ class HeadDeviceLoop(DeviceLoop):
         rows on the device; its record in `records`."""
         k, dg = self.num_steps, self.draft_graphs
         bucket = dg.chain[batch]
-        if k > 1:
-            dg.chain_forward(bucket, batch, k - 1)
+        if k > 1:  # the chain writes the seed and its drafts straight into the verify's given drafts
+            given = self.given[:batch]
+            dg.chain_forward(bucket, batch, k - 1, drafts=given)
         else:
-            dg.tokens[0, :batch].copy_(bucket.ids)
-        given = self.given[:batch]
-        given.copy_(dg.tokens[:k, :batch].t())
+            given = bucket.ids[:batch, None]  # the seed alone (read before the extend replaces it)
         graph, target, features = self._verify(batch, given)
         self._extend(bucket, batch, graph, target, features)
 
     def _extend(self, bucket, batch: int, graph, target: torch.Tensor, features: torch.Tensor) -> None:
         """The head over every verify row (fixed shape), then the next seed, tail and position of
-        each row that took tokens."""
-        head, q = self.drafter.head, self.query_len
+        each row that took tokens: one glue launch (`extend_settle`), the lm_head over the chosen
+        rows and the split argmax writing the seeds in place."""
+        head = self.drafter.head
         ctx = self.drafter.backend.prepare(graph.attention, self.drafter.kv_cache)
         out, to_logits = head.run(
             0, target.view(-1), features.to(self.drafter.dtype), graph.positions, ctx, from_target=True
         )
-        taken = self.records[:batch, q]
-        moved = taken > 0
-        rows = torch.arange(batch, device=taken.device) * q + (taken - 1).clamp(min=0)
-        seed = self.draft_graphs.greedy_tokens(head.logits(0, to_logits.index_select(0, rows)))
-        bucket.ids[:batch].copy_(torch.where(moved, seed, bucket.ids[:batch]))
-        tails = bucket.tails[:batch, 0]
-        tails.copy_(torch.where(moved[:, None], out.index_select(0, rows).to(tails.dtype), tails))
-        lengths = self.lengths[:batch]
-        bucket.base[:batch].copy_(torch.where(moved, lengths - 2, bucket.base[:batch]))
-        active = lengths < self.limits[:batch]
-        bucket.steps[:batch].copy_(torch.where(active, self.steps_left[:batch], 0))
+        selected, moved = self.settle(
+            self.records[:batch],
+            self.lengths[:batch],
+            self.limits[:batch],
+            self.steps_left[:batch],
+            to_logits,
+            out,
+            bucket.tails[:batch, 0],
+            bucket.base[:batch],
+            bucket.steps[:batch],
+        )
+        self.draft_graphs.greedy_into(head.logits(0, selected), bucket.ids[:batch], keep=moved)
 
 
 def head_loop_factory(

@@ -11,12 +11,13 @@ sync of its own (its drafts are read with verify's results).
   position, fed its own previous output (EAGLE / EAGLE-3: every step). The host fills the first
   draft (straight from the extend's device output when it left it there: `DeviceTokens`), the
   tails, the newest extended position, the steps and the page table into static buffers; each step
-  computes its positions, KV slots and context lengths on the device, runs the module and its
-  logits, takes the argmax (`row_argmax`, then `to_target_ids`) and feeds tokens and hidden states
-  to the next, with no host sync. The drafts stay on the device (`launch_chain`): a request's draft
-  holds placeholders -(1 + k) naming them, which the target's verify step resolves on the device
-  (as overlap scheduling's future tokens), and the engine reads them back with verify's argmax, one
-  host sync a speculative step (`run_chain` reads them at once). A request with fewer
+  computes its token ids, positions, KV slots, context lengths and hidden rows on the device in one
+  launch (`chain_step_input`), runs the module and its logits, and takes the argmax (`row_argmax`,
+  mapped to target ids and stored in the drafts buffer the next step reads), with no host sync.
+  The drafts stay on the device (`launch_chain`): a request's draft holds placeholders -(1 + k)
+  naming them, which the target's verify step resolves on the device (as overlap scheduling's
+  future tokens), and the engine reads them back with verify's argmax, one host sync a
+  speculative step (`run_chain` reads them at once). A request with fewer
   steps than the batch's most turns, for its extra steps, into a pad row (positions from 0, KV to
   the dummy slot: its reserved pages end with its own budget; outputs ignored). Pad rows have an
   all-zero page table, so they read and write the dummy page only. Greedy chains only: the
@@ -55,6 +56,7 @@ from specserve.model.draft_heads import DraftHead
 from specserve.spec.drafter import resolve_drafts
 from specserve_kernels import use_triton
 from specserve_kernels.argmax import row_argmax, row_argmax_ref
+from specserve_kernels.head_glue import chain_step_input, chain_step_input_ref
 
 # SPECSERVE_DRAFT_GRAPHS=0 drafts eagerly even where the target's steps run in CUDA graphs (to time both).
 DRAFT_GRAPHS_ENV = "SPECSERVE_DRAFT_GRAPHS"
@@ -272,42 +274,44 @@ class DraftGraphs:
         pending, self._pending = self._pending, None
         return pending
 
+    def greedy_into(self, logits: torch.Tensor, out: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """The greedy draft (target ids) of rows of draft logits into `out` (any stride), only where
+        `keep` when given: one split argmax, the map to target ids and the store folded into it."""
+        self.argmax(logits, out=out, table=self.head.draft_to_target, keep=keep)
+
     @torch.inference_mode()
-    def chain_forward(self, bucket: _ChainBucket, batch: int, steps: int) -> None:
+    def chain_forward(
+        self, bucket: _ChainBucket, batch: int, steps: int, drafts: torch.Tensor | None = None
+    ) -> None:
         """Steps 1 .. `steps` as `HeadDrafter._draft_step` runs them, every row in each: step s runs
         module m = min(s, k-1), over the s positions since the extend while m is new to the chain
         (fresh), else over the newest one. A row past its own steps turns into a pad row (positions
-        from 0, KV to the dummy slot) and its outputs are ignored."""
-        head, ps, dummy = self.head, self.page_size, DUMMY_PAGE * self.page_size
-        table, device = self.page_table[:batch], bucket.ids.device
-        drafts, out = [bucket.ids], bucket.tails[:, :1]  # module 0's output at the seed
-        self.tokens[0, :batch].copy_(bucket.ids)
+        from 0, KV to the dummy slot) and its outputs are ignored. `drafts` [batch, steps + 1] (any
+        strides) takes the seed and each step's draft (default: `tokens`' rows, what `launch_chain`
+        leaves pending). A step is one glue launch (`chain_step_input`: ids, positions, slots,
+        lengths and hidden rows), the module, its lm_head and the split argmax."""
+        head, ps = self.head, self.page_size
+        table = self.page_table[:batch]
+        if drafts is None:
+            drafts = self.tokens[: steps + 1, :batch].t()
+        glue = chain_step_input if use_triton(table.device) else chain_step_input_ref
+        out = bucket.tails[:, :1]  # module 0's output at the seed
         for step in range(1, steps + 1):
             module = head.module_for_step(step)
-            active = (bucket.steps >= step)[:, None]
-            if module == step:  # fresh: the drafts so far, with module m-1's tail, then its outputs
-                rows = step
-                ids = torch.stack(drafts, dim=1)
-                hidden = bucket.tails[:, step - 1 : step]
-                hidden = hidden if step == 1 else torch.cat([hidden, out], dim=1)
-                offsets = torch.arange(step, device=device)
-                pos = torch.where(active, bucket.base[:, None] + 1 + offsets, offsets)
-            else:  # the last module again, one row: its own output at the previous position
-                rows, ids, hidden = 1, drafts[-1][:, None], out[:, -1:]
-                pos = torch.where(active, bucket.base[:, None] + step, 0)
-            page = table.gather(1, pos // ps)
-            slots = torch.where(active, page * ps + pos % ps, dummy)
-            query_start = self.query_start[: batch + 1] * rows
+            fresh = module == step  # the drafts so far, with module m-1's tail, then its outputs
+            rows = step if fresh else 1  # else the last module again: its own output, one row
+            first = bucket.tails[:, step - 1] if fresh else None
+            inp = glue(
+                bucket.ids, bucket.steps, bucket.base, table, drafts, first, out,
+                step=step, rows=rows, page_size=ps, dummy_slot=DUMMY_PAGE * ps,
+            )  # fmt: skip
             attention = AttentionBatch(
-                query_start, pos[:, -1] + 1, slots.flatten(), table, ps, rows, self.max_seq_len
+                inp.query_start, inp.seq_lens, inp.slots, table, ps, rows, self.max_seq_len
             )
             ctx = self.backend.prepare(attention, self.kv_cache)
-            hidden = hidden.flatten(0, 1).contiguous()  # a strided slice of the tails or outputs
-            flat, to_logits = head.run(module, ids.flatten(), hidden, pos.flatten(), ctx, from_target=False)
+            flat, to_logits = head.run(module, inp.ids, inp.hidden, inp.positions, ctx, from_target=False)
             out = flat.view(batch, rows, -1)
-            top = self.argmax(head.logits(module, to_logits.view(batch, rows, -1)[:, -1]))
-            drafts.append(head.to_target_ids(top))
-            self.tokens[step, :batch].copy_(drafts[-1])
+            self.greedy_into(head.logits(module, to_logits.view(batch, rows, -1)[:, -1]), drafts[:, step])
 
     # ---- the extend --------------------------------------------------------------------------
 
