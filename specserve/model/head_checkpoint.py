@@ -14,12 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from specserve.model.arch import ModelArch, arch_from_hf_config
 from specserve.model.draft_heads import HEAD_METHODS, DraftHead, HeadSpec
-from specserve.model.hf_loader import SHARD_INDEX, load_safetensors_folder, read_hf_config
+from specserve.model.hf_loader import DRAFT_VOCAB_FILE, SHARD_INDEX, load_safetensors_folder, read_hf_config
 from specserve.model.layers import RotaryEmbedding, StackedLinear
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.weights import load_stacked_weights
@@ -190,6 +191,25 @@ def _mtp_param_name(name: str, first: int, k: int) -> str | None:
     if rest.startswith("embed_tokens."):
         return rest if i == 0 else None  # every MTP layer stores the same embedding
     return f"step_modules.{i}.{rest}"
+
+
+# ---- a head's token ranking (the draft vocabulary `speculative.draft_vocab` cuts) --------------
+
+
+def save_ranking(path: str | Path, ranking: torch.Tensor, metadata: dict[str, str]) -> Path:
+    """A token ranking file: target ids, most frequent first, and where they were counted."""
+    path = Path(path)
+    save_file({"ranking": ranking.to(torch.int32).contiguous()}, path, metadata=metadata)
+    return path
+
+
+def read_ranking(folder: str | Path) -> tuple[torch.Tensor, dict[str, str]] | None:
+    """(the ranking as int64 ids, its metadata) of a head folder, None when it has none."""
+    file = Path(folder) / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    with safe_open(file, "pt") as f:
+        return f.get_tensor("ranking").long(), f.metadata() or {}
 
 
 # ---- new heads: seeded random ones (tests) and the trainer's starting point ---------------------
