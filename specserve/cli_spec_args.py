@@ -4,7 +4,8 @@
 `--adaptive` lets adaptive speculation pick among shapes up to it every step; `bench` also takes
 `--spec` specs (`METHOD[:SHAPE[:DRAFT_MODEL]]`, repeatable) to compare several in one run, where SHAPE
 is NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree), and `adaptive` or
-`adaptive-SHAPE` the adaptive configuration over the default tiers up to that shape.
+`adaptive-SHAPE` the adaptive configuration over the default tiers up to that shape. `--draft-vocab N`
+cuts an EAGLE-3 head's draft vocabulary to the N ids its token ranking puts first.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         help="standalone: a smaller model (asset, .gguf or HF folder); eagle/eagle3/mtp: the head's HF folder",
     )
     parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="eagle3 heads sharing the target's lm_head: draft over the N ids the head's shipped token "
+        "ranking puts first (default: as the head was trained, or the shipped head's own setting); without "
+        "--speculative, the default drafter's",
+    )
+    parser.add_argument(
         "--adaptive",
         action="store_true",
         help="adaptive speculation: each step picks the draft shape up to the one configured (or none) "
@@ -52,15 +61,16 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 
 def speculative_from_args(args: argparse.Namespace) -> dict | None:
     adaptive = getattr(args, "adaptive", False)
-    method = args.speculative or ("default" if adaptive else None)
+    vocab = draft_vocab_setting(args)
+    method = args.speculative or ("default" if adaptive or vocab else None)
     if not method:
         return None
     if method == "default":  # its own num_steps and draft model
         from specserve.default_drafter import default_speculative
 
-        spec = default_speculative(getattr(args, "model", None) or DEFAULT_MODEL)
+        spec = {**default_speculative(getattr(args, "model", None) or DEFAULT_MODEL), **vocab}
         return {**spec, "adaptive": True} if adaptive else spec
-    spec = {"method": method, "num_steps": args.num_steps}
+    spec = {"method": method, "num_steps": args.num_steps, **vocab}
     if args.topk != 1:
         spec["topk"] = args.topk
     if args.num_draft_tokens is not None:
@@ -70,6 +80,12 @@ def speculative_from_args(args: argparse.Namespace) -> dict | None:
     if adaptive:
         spec["adaptive"] = True
     return spec
+
+
+def draft_vocab_setting(args: argparse.Namespace) -> dict:
+    """`--draft-vocab` as speculative settings: none when not given (the head's own then holds)."""
+    draft_vocab = getattr(args, "draft_vocab", None)
+    return {} if draft_vocab is None else {"draft_vocab": draft_vocab}
 
 
 def parse_spec(text: str) -> dict:
@@ -113,7 +129,8 @@ def spec_name(spec: dict | None) -> str:
     shape = str(config.num_steps)
     if config.topk > 1:
         shape += f"x{config.topk}x{config.draft_tokens}"
-    return f"specserve-{config.method}-{shape}" + ("-adaptive" if config.adaptive is not None else "")
+    vocab = "" if config.draft_vocab is None else f"-vocab{config.draft_vocab}"
+    return f"specserve-{config.method}-{shape}{vocab}" + ("-adaptive" if config.adaptive is not None else "")
 
 
 def draft_slots(spec: dict | None) -> int:

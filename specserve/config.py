@@ -224,6 +224,10 @@ class SpeculativeConfig:
     # step module: specserve/engine/device_loop.py, head_loop.py); None: DEVICE_STEPS where the loop
     # applies (CUDA graphs, TP size 1), 0: never.
     device_steps: int | None = None
+    # The head's draft vocabulary: the N ids its folder's token ranking puts first, the target's
+    # lm_head rows of them its own (EAGLE-3 heads sharing the target's lm_head; a smaller matmul per
+    # draft step); None: as the head was trained.
+    draft_vocab: int | None = None
 
     def validate(self) -> None:
         _require(self.method in SPEC_METHODS, "speculative.method", f"must be one of {list(SPEC_METHODS)}")
@@ -288,6 +292,20 @@ class SpeculativeConfig:
             "the device loop runs chains: n-gram (topk 1, or adaptive speculation's chain tiers) or a "
             "head's (eagle, eagle3, mtp of one module; topk 1 and num_steps > 1, or adaptive chain tiers)",
         )
+        if self.draft_vocab is not None:
+            self._validate_draft_vocab()
+
+    def _validate_draft_vocab(self) -> None:
+        _require(
+            isinstance(self.draft_vocab, int)
+            and not isinstance(self.draft_vocab, bool)
+            and self.draft_vocab >= 1,
+            "speculative.draft_vocab",
+            "must be null or an integer >= 1",
+        )
+        from specserve.model.head_checkpoint import draft_vocab_ids
+
+        draft_vocab_ids(self.draft_model, self.method, self.draft_vocab)  # the head's folder must allow it
 
     @property
     def draft_tokens(self) -> int:

@@ -34,5 +34,11 @@ def default_speculative(model: str | None) -> dict[str, Any]:
     if folder is None:
         return dict(NGRAM_DEFAULT)
     config = json.loads((folder / "config.json").read_text())
-    num_steps = (config.get("specserve") or {}).get("num_steps", HEAD_NUM_STEPS)
-    return {"method": head_method(config), "num_steps": num_steps, "draft_model": str(folder)}
+    shipped = config.get("specserve") or {}
+    spec = {"method": head_method(config), "num_steps": shipped.get("num_steps", HEAD_NUM_STEPS)}
+    spec["draft_model"] = str(folder)
+    # A head sharing the target's lm_head may ship with a cut draft vocabulary as its default
+    # (`"specserve": {"draft_vocab": N}`, the N its GPU measurement chose; docs/speculative.md).
+    if shipped.get("draft_vocab") is not None:
+        spec["draft_vocab"] = shipped["draft_vocab"]
+    return spec

@@ -496,7 +496,9 @@ class Engine:
             return None
         if spec.method in HEAD_METHODS:
             vocab = self.loaded.full_vocab  # whole copies under TP; None binds the target's own
-            return load_head(spec.draft_model, spec.method, self.model, self.device, self.dtype, vocab)
+            return load_head(
+                spec.draft_model, spec.method, self.model, self.device, self.dtype, vocab, spec.draft_vocab
+            )
         # Under TP the loaded target is this rank's shard: the drafter needs a whole model.
         same = spec.draft_model == self.config.model and self.tp.size == 1
         return self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)

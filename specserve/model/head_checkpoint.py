@@ -14,12 +14,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from specserve.model.arch import ModelArch, arch_from_hf_config
 from specserve.model.draft_heads import HEAD_METHODS, DraftHead, HeadSpec
-from specserve.model.hf_loader import SHARD_INDEX, load_safetensors_folder, read_hf_config
+from specserve.model.hf_loader import (
+    DRAFT_VOCAB_FILE,
+    SHARD_INDEX,
+    load_safetensors_folder,
+    read_hf_config,
+    safetensors_files,
+)
 from specserve.model.layers import RotaryEmbedding, StackedLinear
 from specserve.model.llama import LlamaForCausalLM
 from specserve.model.weights import load_stacked_weights
@@ -60,18 +67,20 @@ def load_head(
     device: torch.device,
     dtype: torch.dtype,
     vocab: tuple[nn.Module, nn.Module] | None = None,
+    draft_vocab: int | None = None,
 ) -> DraftHead:
     """The head in `folder`, on `device` in `dtype`, bound to `target`'s embedding and lm_head, or to
-    `vocab` = (embed_tokens, lm_head) when given (whole copies of a TP-sharded target's)."""
+    `vocab` = (embed_tokens, lm_head) when given (whole copies of a TP-sharded target's). With
+    `draft_vocab` N it drafts over the N ids its folder's ranking puts first (`draft_vocab_ids`)."""
     folder = Path(folder)
-    if method not in HEAD_METHODS:
-        raise ValueError(f"speculative.method: {method!r} has no draft head (one of {list(HEAD_METHODS)})")
-    if not folder.is_dir():
-        raise ValueError(f"speculative.draft_model: {method} needs an HF folder with its head, not {folder}")
+    _check_head_folder(folder, method)
     cfg = read_hf_config(folder)
     stored = load_safetensors_folder(folder)
     spec = head_spec(method, cfg, set(stored), target.arch)
     tensors, d2t = _param_tensors(spec, cfg, stored)
+    embed_tokens, lm_head = vocab or (target.model.embed_tokens, target.lm_head)
+    if draft_vocab is not None:
+        spec, d2t = _cut_vocabulary(spec, tensors, draft_vocab_ids(folder, method, draft_vocab), lm_head)
     with torch.device("meta"):
         head = DraftHead(spec, target.arch.hidden_size)
     head = head.to_empty(device=device).to(dtype)
@@ -82,8 +91,15 @@ def load_head(
     head.rope = RotaryEmbedding(spec.arch).to(device)
     if d2t is not None:
         head.draft_to_target = (d2t.long() + torch.arange(d2t.shape[0])).to(device)
-    head.bind(*(vocab or (target.model.embed_tokens, target.lm_head)))
+    head.bind(embed_tokens, lm_head)
     return head.eval()
+
+
+def _check_head_folder(folder: Path, method: str) -> None:
+    if method not in HEAD_METHODS:
+        raise ValueError(f"speculative.method: {method!r} has no draft head (one of {list(HEAD_METHODS)})")
+    if not folder.is_dir():
+        raise ValueError(f"speculative.draft_model: {method} needs an HF folder with its head, not {folder}")
 
 
 def head_spec(method: str, cfg: dict, names: set[str], target: ModelArch) -> HeadSpec:
@@ -190,6 +206,71 @@ def _mtp_param_name(name: str, first: int, k: int) -> str | None:
     if rest.startswith("embed_tokens."):
         return rest if i == 0 else None  # every MTP layer stores the same embedding
     return f"step_modules.{i}.{rest}"
+
+
+# ---- a draft vocabulary cut from the target's lm_head at load -----------------------------------
+
+
+def draft_vocab_ids(folder: str | Path, method: str, size: int) -> torch.Tensor:
+    """The draft vocabulary `speculative.draft_vocab` = `size` gives the head in `folder`: the `size`
+    ids its token ranking (`DRAFT_VOCAB_FILE`) puts first, ascending as trained reduced heads store
+    them. A ValueError naming the setting where the head cannot take one: not EAGLE-3, no ranking,
+    or an lm_head of its own (trained over its own vocabulary, not the target's rows)."""
+    name = "speculative.draft_vocab"
+    if method != "eagle3":
+        raise ValueError(f"{name}: only EAGLE-3 heads draft over a cut vocabulary, not {method!r}")
+    folder = Path(folder)
+    _check_head_folder(folder, method)
+    cfg = read_hf_config(folder)
+    reduced = cfg.get("draft_vocab_size", cfg.get("vocab_size")) != cfg.get("vocab_size")
+    if reduced or "lm_head.weight" in _stored_names(folder):
+        raise ValueError(f"{name}: {folder} has an lm_head of its own; the cut is of the target's lm_head")
+    ranked = read_ranking(folder)
+    if ranked is None:
+        raise ValueError(
+            f"{name}: {folder} has no token ranking ({DRAFT_VOCAB_FILE}: scripts/rank_draft_vocab.py)"
+        )
+    ranking, _ = ranked
+    if not 1 <= size <= len(ranking):
+        raise ValueError(f"{name}: must be in [1, {len(ranking)}] (the ids {folder.name}'s ranking holds)")
+    return ranking[:size].sort().values
+
+
+def _cut_vocabulary(
+    spec: HeadSpec, tensors: dict[str, torch.Tensor], ids: torch.Tensor, lm_head: nn.Module
+) -> tuple[HeadSpec, torch.Tensor]:
+    """A spec with its own lm_head over `ids`, whose weight (the target's rows) joins `tensors`, and
+    the d2t offsets of those ids: from there on the head is a trained reduced one to every path."""
+    weight = lm_head.weight.detach()
+    tensors["lm_head.weight"] = weight[ids.to(weight.device)]
+    spec = replace(spec, draft_vocab_size=len(ids), own_lm_head=True)
+    return spec, ids - torch.arange(len(ids))
+
+
+def save_ranking(path: str | Path, ranking: torch.Tensor, metadata: dict[str, str]) -> Path:
+    """A token ranking file: target ids, most frequent first, and where they were counted."""
+    path = Path(path)
+    save_file({"ranking": ranking.to(torch.int32).contiguous()}, path, metadata=metadata)
+    return path
+
+
+def read_ranking(folder: str | Path) -> tuple[torch.Tensor, dict[str, str]] | None:
+    """(the ranking as int64 ids, its metadata) of a head folder, None when it has none."""
+    file = Path(folder) / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    with safe_open(file, "pt") as f:
+        return f.get_tensor("ranking").long(), f.metadata() or {}
+
+
+def _stored_names(folder: Path) -> set[str]:
+    """The head's tensor names without the `model.` prefix, from the files' headers alone."""
+    names: set[str] = set()
+    for file in safetensors_files(folder):
+        with safe_open(file, "pt") as f:
+            keys = f.keys()  # a safe_open handle is not iterable itself
+        names.update(k.removeprefix("model.") for k in keys)
+    return names
 
 
 # ---- new heads: seeded random ones (tests) and the trainer's starting point ---------------------

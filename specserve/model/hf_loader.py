@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 from specserve.model.arch import ModelArch, arch_from_hf_config
 
 SHARD_INDEX = "model.safetensors.index.json"
+# A draft head's token ranking (specserve/model/head_checkpoint.py): beside its weights, none of them.
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def load_hf_folder(path: str | Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
@@ -39,7 +41,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [folder / name for name in sorted(set(weight_map.values()))]
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
     if files:
         return files
     if any(folder.glob("*.bin")):

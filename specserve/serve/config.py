@@ -206,6 +206,8 @@ class ServeConfig(BaseModel):
         "default",
         description="Speculative decoding: a method name, a mapping of SpeculativeConfig fields "
         "(method, num_steps, topk, num_draft_tokens, draft_model, ...; topk > 1 drafts trees; "
+        "`draft_vocab`: N, an EAGLE-3 head sharing the target's lm_head drafts over the N ids its "
+        "token ranking puts first; "
         "`adaptive`: true or the settings of `AdaptiveSettings`, to pick the draft shape up to the "
         "configured one, or none, every step), null for plain decoding, or `default` (also as a "
         "mapping's method): the draft head trained for the model when one ships with specserve, else "

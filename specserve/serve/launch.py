@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from specserve.api import API_KEY_ENV
-from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
+from specserve.cli_spec_args import add_speculative_arguments, draft_vocab_setting, speculative_from_args
 
 if TYPE_CHECKING:
     # pydantic only when serving: `specserve bench` builds this parser too, on machines without it.
@@ -65,12 +65,14 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         config["api_key"] = api_key
+    vocab = draft_vocab_setting(args)
     if args.no_speculative:
         config["speculative"] = None
     elif args.speculative in (None, "default") and args.adaptive:  # the default drafter, adapted
-        config["speculative"] = {"method": "default", "adaptive": True}
-    elif args.speculative == "default":  # resolved by each replica, against its own install
-        config["speculative"] = "default"
+        config["speculative"] = {"method": "default", "adaptive": True, **vocab}
+    elif args.speculative == "default" or (args.speculative is None and vocab):
+        # resolved by each replica, against its own install
+        config["speculative"] = {"method": "default", **vocab} if vocab else "default"
     elif args.speculative:
         config["speculative"] = speculative_from_args(args)
     return config

@@ -9,15 +9,20 @@ the head sees when serving (the target's own greedy text), which is why the targ
 (EAGLE's heads were trained on fixed ShareGPT answers). The file has the layout the data phase
 writes (`responses.npz`), so training takes both in one `--responses` list. With `sharegpt-turns`
 every gpt turn is an answer, read after the conversation before it (`specserve/train/turns.py`).
+The same answer ids, counted over every ShareGPT assistant turn, rank the tokens a head's draft
+vocabulary is cut from (`scripts/rank_draft_vocab.py`).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
 
 from specserve.train.data import Samples, append, empty_samples
-from specserve.train.turns import Prompt, prompt_messages
+from specserve.train.turns import Prompt, assistant_texts, prompt_messages
 
 _CHUNK = 4096  # pairs tokenized together
 
@@ -37,22 +42,51 @@ def answer_samples(
     is the pair's index in `exchanges`. Tokenized in batches (a fast tokenizer uses every core)."""
     from specserve.model.tokenizer import chat_prompts_ids
 
-    end = tokenizer.eos_token_id
     samples = empty_samples(meta)
     for first in range(0, len(exchanges), _CHUNK):
         new: list[tuple[list[int], int, int]] = []
         chunk = exchanges[first : first + _CHUNK]
         prompts = chat_prompts_ids(tokenizer, [prompt_messages(q) for q, _ in chunk])
-        answers = tokenizer([a for _, a in chunk], add_special_tokens=False)["input_ids"]
+        answers = answer_ids(tokenizer, [a for _, a in chunk], max_answer_tokens)
         for i, (prompt, ids) in enumerate(zip(prompts, answers, strict=True), start=first):
-            if len(prompt) > max_prompt_tokens:
-                continue
-            ids = list(ids[:max_answer_tokens])
-            if len(ids) < max_answer_tokens and end is not None:
-                ids.append(end)
-            new.append((prompt + ids, len(prompt), i))
+            if len(prompt) <= max_prompt_tokens:
+                new.append((prompt + ids, len(prompt), i))
         samples = append(samples, new)  # as arrays: Python lists of every chunk's ids would take GBs
     return samples
+
+
+def answer_ids(tokenizer, answers: Sequence[str], max_answer_tokens: int) -> list[list[int]]:
+    """Each answer's ids as they follow the chat template's assistant opening: cut to
+    `max_answer_tokens`, or closed by the end-of-turn token the target ends its own answers with."""
+    end = tokenizer.eos_token_id
+    out = []
+    for ids in tokenizer(list(answers), add_special_tokens=False)["input_ids"]:
+        ids = list(ids[:max_answer_tokens])
+        if len(ids) < max_answer_tokens and end is not None:
+            ids.append(end)
+        out.append(ids)
+    return out
+
+
+def answer_token_counts(
+    tokenizer, answers: Sequence[str], *, vocab: int, max_answer_tokens: int
+) -> np.ndarray:
+    """How often each of `vocab` ids occurs in `answers` (as `answer_ids` makes them), in chunks so
+    the ids of every answer are never held at once."""
+    counts = np.zeros(vocab, np.int64)
+    for first in range(0, len(answers), _CHUNK):
+        ids = answer_ids(tokenizer, answers[first : first + _CHUNK], max_answer_tokens)
+        counts += np.bincount(np.fromiter((t for a in ids for t in a), np.int64), minlength=vocab)[:vocab]
+    return counts
+
+
+def sharegpt_answers(path: Path) -> list[str]:
+    """Every assistant turn's text of a ShareGPT file, each distinct text once (the file repeats
+    conversations), in file order: what a draft vocabulary is ranked on."""
+    from specserve.bench_data import _json_list_items  # reads the conversations before the file's cut
+
+    conversations = _json_list_items(path.read_text())
+    return list(dict.fromkeys(text for c in conversations for text in assistant_texts(c)))
 
 
 def dataset_exchanges(

@@ -67,6 +67,11 @@ def make_batch(samples: Samples, indices: np.ndarray, max_len: int, device: torc
 def draft_vocabulary(samples: Samples, size: int, vocab: int) -> torch.Tensor:
     """The `size` target ids most frequent in the answers (ties to the lower id), ascending: an
     EAGLE-3 head's reduced vocabulary."""
-    counts = np.bincount(samples.response_tokens(), minlength=vocab)[:vocab]
-    ranked = np.lexsort((np.arange(vocab), -counts))[:size]
+    ranked = token_ranking(np.bincount(samples.response_tokens(), minlength=vocab)[:vocab])[:size]
     return torch.from_numpy(np.sort(ranked).astype(np.int64))
+
+
+def token_ranking(counts: np.ndarray) -> np.ndarray:
+    """Token ids by their count, most frequent first, ties to the lower id (a stable order, so a
+    ranking recomputed from the same data is the same file)."""
+    return np.lexsort((np.arange(len(counts)), -counts))

@@ -75,6 +75,11 @@ def _turns(conversation: dict) -> list[tuple[str, str] | None]:
     return out
 
 
+def assistant_texts(conversation: dict) -> list[str]:
+    """The text of each assistant turn of `conversation` that has any."""
+    return [turn[1] for turn in _turns(conversation) if turn is not None and turn[0] == ASSISTANT]
+
+
 def candidate_windows(
     conversation: dict, max_chars: int
 ) -> Iterator[tuple[list[tuple[str, str]], str | None]]:
