@@ -92,11 +92,16 @@ def parse_spec(text: str) -> dict:
     """`METHOD[:SHAPE[:DRAFT_MODEL]]` (e.g. `ngram:4`, `ngram:6x8x64`, `eagle3:5:heads/llama3-eagle3`)
     as a validated speculative config mapping; SHAPE is NUM_STEPS[xTOPK[xNUM_DRAFT_TOKENS]], or
     `adaptive` / `adaptive-SHAPE` (e.g. `ngram:adaptive-8`): adaptive speculation over the default
-    tiers up to that shape (default ADAPTIVE_NUM_STEPS). An argparse type, so a bad spec is a usage
-    error."""
+    tiers up to that shape (default ADAPTIVE_NUM_STEPS); `@N` after it: `draft_vocab` N (e.g.
+    `eagle3:3@8192:HEAD`). An argparse type, so a bad spec is a usage error."""
     method, _, rest = text.partition(":")
     shape, _, draft = rest.partition(":")  # the draft path keeps any further colons
+    shape, at, vocab = shape.partition("@")
     spec: dict = {"method": method, "num_steps": DEFAULT_NUM_STEPS}
+    if at:
+        if not vocab.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: @N must be the draft vocabulary's size (an integer)")
+        spec["draft_vocab"] = int(vocab)
     if shape == "adaptive" or shape.startswith("adaptive-"):
         spec.update(num_steps=ADAPTIVE_NUM_STEPS, adaptive=True)
         shape = shape.removeprefix("adaptive").removeprefix("-")

@@ -106,6 +106,9 @@ def test_spec_parsing():
     assert spec_name(parse_spec("ngram:4x2")) == "specserve-ngram-4x2x8"  # the default node count
     assert draft_slots(tree) == 64 and draft_slots(parse_spec("ngram:6x16x8")) == 80
     assert draft_slots(parse_spec("ngram:3")) == 3 and draft_slots(None) == 0
+    cut = parse_spec("eagle3:3@8192:specserve/heads/smollm2-135m-instruct")
+    assert cut["draft_vocab"] == 8192 and cut["num_steps"] == 3
+    assert spec_name(cut) == "specserve-eagle3-3-vocab8192"
     bad_specs = [
         ("magic:4", "method"),
         ("ngram:x", "NUM_STEPS"),
@@ -114,6 +117,8 @@ def test_spec_parsing():
         ("ngram:4x2x1000", "num_draft_tokens"),
         ("ngram:4x1x3", "num_draft_tokens"),
         ("ngram:4x2x8x1", "SHAPE"),
+        ("eagle3:3@big:h", "@N"),
+        ("ngram:3@100", "draft_vocab"),
     ]
     for bad, why in bad_specs:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
