@@ -55,6 +55,7 @@ class BenchRow:
     # steady steps, which prices it, and of its transitions, `steady_step_ms`, `transition_step_ms`), the
     # pooled per-position acceptance (and its evidence), probes, predicted vs measured goodput
     adaptive: dict | None = None
+    batches: int = 1  # batches of `batch_size` distinct prompts run back to back (`--min-prompts`)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="timed runs per engine and batch size (the lower median is reported: of two, the faster)",
     )
+    parser.add_argument(
+        "--min-prompts",
+        type=int,
+        default=16,
+        help="distinct prompts each batch size covers at least: batch size B runs ceil(N / B) batches "
+        "of B prompts back to back (so batch 1 is a mean over N prompts, not one prompt's text); "
+        "HF generate runs the first batch only",
+    )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
     parser.add_argument("--plot", default=None, help="where to write the PNG (default: --out with .png)")
 
@@ -143,14 +152,14 @@ def run(args: argparse.Namespace) -> int:
     if not fitting:
         print(f"specserve bench: error: no {args.dataset} prompt fits {room} tokens", file=sys.stderr)
         return 2
-    prompts = cycle(fitting, max(batch_sizes))
+    prompts = cycle(fitting, max(max(batch_sizes), args.min_prompts))
     pool = args.max_total_tokens or _pool_tokens(prompts, args, max(map(draft_slots, specs)))
     engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
     plain = engines[PLAIN]
     hf = _load_hf(plain) if args.peer == "hf" else None
     lookup = _prompt_lookup_tokens(specs, args.num_steps)
     for engine in engines.values():
-        _time_engine(engine, prompts[:2], WARMUP_TOKENS)
+        _time_engine(engine, [prompts[:2]], WARMUP_TOKENS)
     if hf is not None:
         _time_hf(hf, plain, prompts[:1], WARMUP_TOKENS)
     # Everything loaded so far (HF's model and modules among it) is old: keep the collector from
@@ -159,12 +168,13 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     rows: list[BenchRow] = []
     for b in batch_sizes:
-        batch = prompts[:b]
+        batches = [prompts[i : i + b] for i in range(0, b * -(-args.min_prompts // b), b)]
+        batch = batches[0]
         for name, engine in engines.items():
-            runs = [_time_engine(engine, batch, args.max_new_tokens) for _ in range(args.repeats)]
+            runs = [_time_engine(engine, batches, args.max_new_tokens) for _ in range(args.repeats)]
             # The lower median: of two runs the faster, as a late kernel compile lands in one run only.
             run = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
-            rows.append(_row(name, b, args.max_new_tokens, *run))
+            rows.append(_row(name, b, args.max_new_tokens, *run, batches=len(batches)))
         if hf is not None:
             rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
             if b == 1:
@@ -258,9 +268,12 @@ def _row(
     step_ms: dict[str, float] | None = None,
     tiers: dict[str, int] | None = None,
     adaptive: dict | None = None,
+    batches: int = 1,
 ) -> BenchRow:
-    tokens_per_s = batch * new_tokens / seconds
-    return BenchRow(system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers, adaptive)
+    tokens_per_s = batches * batch * new_tokens / seconds
+    return BenchRow(
+        system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers, adaptive, batches
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -269,11 +282,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_engine(
-    llm, prompts: list[list[int]], new_tokens: int
+    llm, batches: list[list[list[int]]], new_tokens: int
 ) -> tuple[float, float | None, dict[str, float], dict[str, int] | None, dict | None]:
-    """Seconds of one run, its accept length (None without speculation), host ms per step by phase,
-    and with adaptive speculation the steps each tier ran and the policy's diagnostics after the run.
-    The adaptive policy keeps what it learnt from run to run, as a server would."""
+    """Seconds of one run (the batches one after another), its accept length (None without
+    speculation), host ms per step by phase, and with adaptive speculation the steps each tier ran
+    and the policy's diagnostics after the run. The adaptive policy keeps what it learnt from run to
+    run, as a server would."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     adaptive = llm.engine.adaptive
     before = dict(adaptive.tier_steps) if adaptive is not None else {}
@@ -283,7 +297,7 @@ def _time_engine(
     _sync(llm.engine.device)
     start = time.perf_counter()
     try:
-        outs = llm.generate(prompts, params)
+        outs = [out for batch in batches for out in llm.generate(batch, params)]
         _sync(llm.engine.device)
     finally:
         llm.engine.stats_sink = None
@@ -298,7 +312,7 @@ def _time_engine(
         return seconds, accept, phases.ms_per_step(), None, None
     tiers = {t.name: n - before.get(t, 0) for t, n in sorted(adaptive.tier_steps.items())}
     used = {name: n for name, n in tiers.items() if n}
-    return seconds, accept, phases.ms_per_step(), used, adaptive.diagnostics(len(prompts))
+    return seconds, accept, phases.ms_per_step(), used, adaptive.diagnostics(len(batches[0]))
 
 
 def _load_hf(llm):
