@@ -10,12 +10,16 @@ EOS ignored, and times every `Engine.step` on the host. Each step gets a kind:
 - `sync`: the synchronous path (plain decode, or a speculative step drafted on the host).
 
 Prints per system the bench's tok/s, then the time and count per kind, and the gaps between steps.
+TRACE_PROFILE=N also prints, for each system's first traced run, where the host spent its first N
+steps (cProfile, top functions by cumulative time).
 
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
 """
 
 import argparse
+import cProfile
 import os
+import pstats
 import time
 from collections import defaultdict
 
@@ -32,6 +36,7 @@ SPECS = [s for s in os.environ.get("TRACE_SPECS", "ngram:12").split(";") if s]
 PROMPTS = int(os.environ.get("TRACE_PROMPTS", "1"))
 BATCH = int(os.environ.get("TRACE_BATCH", "1"))
 TOKENS = int(os.environ.get("TRACE_TOKENS", "256"))
+PROFILE_STEPS = int(os.environ.get("TRACE_PROFILE", "0"))
 
 
 def _kind(engine, flight_before: bool, flight_after: bool) -> str:
@@ -42,17 +47,19 @@ def _kind(engine, flight_before: bool, flight_after: bool) -> str:
     return "loop-first" if flight_after else "sync"
 
 
-def traced_run(llm, prompts: list[list[int]]) -> tuple[float, dict, list[float], int]:
+def traced_run(llm, prompts: list[list[int]], profile: int = 0) -> tuple[float, dict, list[float], int]:
     engine = llm.engine
     times: dict[str, list[float]] = defaultdict(list)
     stamps: list[tuple[float, float]] = []
     original = engine.step
+    profiler = cProfile.Profile() if profile else None
 
     def step():
         before = engine._loop_flight is not None
         kind = _kind(engine, before, False)
+        profiling = profiler is not None and len(stamps) < profile
         start = time.perf_counter()
-        out = original()
+        out = profiler.runcall(original) if profiling else original()
         end = time.perf_counter()
         if kind != "prefill":
             kind = _kind(engine, before, engine._loop_flight is not None)
@@ -61,6 +68,16 @@ def traced_run(llm, prompts: list[list[int]]) -> tuple[float, dict, list[float],
         return out
 
     engine.step = step
+    planned = []
+    launch = engine._loop_launch
+
+    def counted_launch(flight):
+        new = launch(flight)
+        if new is not None:
+            planned.append(new.steps)
+        return new
+
+    engine._loop_launch = counted_launch
     params = SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     engine.flush_cache()
     torch.cuda.synchronize()
@@ -69,6 +86,11 @@ def traced_run(llm, prompts: list[list[int]]) -> tuple[float, dict, list[float],
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     engine.step = original
+    del engine._loop_launch
+    if planned:  # launched loop iterations (against the verifies that made tokens)
+        times["planned iterations"] = [0.0] * sum(planned)
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     gaps = [b[0] - a[1] for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
     verifies = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
     return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies
@@ -89,6 +111,8 @@ def main() -> None:
         for p in range(PROMPTS):
             batch = chats[p * BATCH : (p + 1) * BATCH]
             runs = [traced_run(llm, batch) for _ in range(2)]
+            if PROFILE_STEPS and p == 0:
+                traced_run(llm, batch, PROFILE_STEPS)
             wall, times, gaps, verifies = min(runs, key=lambda r: r[0])
             tokens = TOKENS * len(batch)
             print(
