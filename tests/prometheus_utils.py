@@ -4,10 +4,12 @@ test file)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,11 +27,16 @@ def find_or_install_prometheus() -> str | None:
     found = shutil.which("prometheus")
     if found or os.geteuid() != 0 or not shutil.which("apt-get"):
         return found
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-        subprocess.run(install, env=env, capture_output=True)
+    # Both pytest workers may get here at once; apt's own lock would fail the second outright.
+    with open(Path(tempfile.gettempdir()) / "specserve-prometheus-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if found := shutil.which("prometheus"):  # the other worker installed it meanwhile
+            return found
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "prometheus"]
+        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+            subprocess.run(install, env=env, capture_output=True)
     return shutil.which("prometheus")
 
 
