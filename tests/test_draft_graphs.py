@@ -242,7 +242,7 @@ def test_graphs_under_adaptive_speculation(small_vocab_target, heads, method):
     shadow = Shadow(llm.engine.drafter)
     adaptive, rng = llm.engine.adaptive, random.Random(2)
 
-    def decide(request_ids, remaining=None):
+    def decide(request_ids, remaining=None, verifies=1):
         tier = OFF if rng.random() < 0.3 else rng.choice(adaptive.tiers)
         steps = {r: 0 if tier.off else rng.randint(1, tier.num_steps) for r in request_ids}
         return Decision(tier, steps, 1.0, False)

@@ -98,6 +98,9 @@ class AdaptiveSpeculation:
         self.predicted_goodput = 0.0
         self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
         self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
+        # request id -> its verifies since the last decision: one a synchronous step, a device loop's
+        # run (settled after that decision) up to 8; the policy counts its intervals in these
+        self._verified: Counter[str] = Counter()
         self.tier_steps: Counter[Tier] = Counter()  # steps run per tier (probes included)
         self._probe = False  # this step runs a probe (a tier other than the policy's standing one)
         self._emitted = 0  # tokens this step's verifies emitted
@@ -158,7 +161,9 @@ class AdaptiveSpeculation:
             remaining = [r.params.max_new_tokens - r.num_output for r in reqs]
         if self.shadow is not None:
             self.shadow.score(reqs)
-        decision = self.policy.decide([r.request_id for r in reqs], remaining)
+        verifies = max(self._verified.values(), default=1)
+        self._verified.clear()
+        decision = self.policy.decide([r.request_id for r in reqs], remaining, verifies)
         if self.shadow is not None and decision.tier.off:
             if not self.policy.hopeless:  # else no estimate could change the decision: no lookups
                 self.shadow.start(reqs)
@@ -184,6 +189,7 @@ class AdaptiveSpeculation:
         if budget and not self.tier.off:
             kept = min(accepted, budget)
             self.acceptance.observe(req.request_id, self.tier.topk, budget, kept, len(self._budgets))
+            self._verified[req.request_id] += 1
             self._emitted += kept + 1
             if self._probe:
                 self._emitted_by[req.request_id] = kept + 1
@@ -202,6 +208,7 @@ class AdaptiveSpeculation:
         policy expected 2.2 tokens a verify of the 8-chain at batch 64 where 1.72 came)."""
         if depth > 0:
             self.acceptance.observe(req.request_id, 1, depth, min(accepted, depth), batch)
+            self._verified[req.request_id] += 1
 
     def observe_loop(self, batch: int, depth: int, seconds: float) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a

@@ -8,9 +8,12 @@ the policy predicts a step's goodput for the running batch:
 with E_r from the live per-position acceptance (`AcceptanceTracker`, per request) and the costs from
 the measured step tables (`StepCosts`: a target pass of batch x (draft tokens + 1), num_steps draft
 steps). Speculation off is the tier whose drafts are empty: one token per request for a decode
-step's cost. The best tier replaces the current one only when it beats it by `hysteresis` for
-`patience` decisions in a row, so noise in the estimates does not make the engine flap between
-shapes (each switch may mean other CUDA graphs and a cold draft cache).
+step's cost. The best tier replaces the current one only when it beats it by `hysteresis` over
+`patience` verifies (decisions in a row, synchronously; a device loop's engine step settles a run of
+up to 8), so noise in the estimates does not make the engine flap between shapes (each switch may
+mean other CUDA graphs and a cold draft cache). While a chain stands, the positions past it up to
+the next deeper tier's are scored by their upper confidence bound (`_explore_span`): the standing
+chain never tests them, and a deeper tier must get run to be judged.
 
 While speculation is off nothing is verified, so nothing would tell the policy that the text became
 predictable: every `probe_every` steps off, one step runs a speculative tier as a probe (not a
@@ -105,6 +108,7 @@ class Tier:
 
 
 OFF = Tier(0, 1, 0)
+MODEL_EVERY_CHAIN = 4  # a model drafter's default tiers: every chain up to this long (`configured_tiers`)
 # Plain steps in a row while speculating (`_probe_off`): the first is a transition, the rest steady,
 # enough of them for a price (`step_costs.MIN_SAMPLES`).
 OFF_PROBE_STEPS = MIN_SAMPLES + 1
@@ -156,6 +160,7 @@ class AdaptivePolicy:
         self.shadow_rescore_every = shadow_rescore_every
         self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
         self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
+        self._topks = sorted({t.topk for t in self.tiers if not t.off})
         self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
         self._scored: _Scores | None = None
         self._scored_age = 0
@@ -197,11 +202,17 @@ class AdaptivePolicy:
                 return self._eager_seconds(batch, tokens / batch)
         return self.costs.estimate(VERIFY, batch, width)
 
-    def decide(self, request_ids: Sequence[str], remaining: Sequence[int] | None = None) -> Decision:
+    def decide(
+        self, request_ids: Sequence[str], remaining: Sequence[int] | None = None, verifies: int = 1
+    ) -> Decision:
         """The tier for this step's decoding requests, and each one's draft steps. `remaining`: the
         tokens each may still emit, when no request waits to be admitted: the tiers are then judged
-        by how soon the batch finishes (`draft_depths`), not by this step's tokens per second."""
+        by how soon the batch finishes (`draft_depths`), not by this step's tokens per second.
+        `verifies`: the verifies since the decision before (a device loop's run settles up to 8 in
+        one engine step): what hysteresis and the probes of plain steps count, so that they take as
+        many verifies with the loop as without it."""
         ids = tuple(request_ids)
+        verifies = max(verifies, 1)
         self.hopeless = self.stays_off(len(ids))  # as the caller's own asking just before, if it did
         self._decisions += 1
         if self.hopeless:
@@ -215,6 +226,7 @@ class AdaptivePolicy:
             or scored.version != acceptance.version
             or scored.ids != ids
             or scored.lead != lead
+            or scored.explore != self._explore_key()
             or self._scored_age >= self.rescore_every
             or (
                 scored.shadow_version != acceptance.shadow_version
@@ -227,14 +239,14 @@ class AdaptivePolicy:
         self.last_batch = len(ids)
         scores = scored.score
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
-        switched = self._update(best, scores)
-        probe = self._probe(scored)
+        switched = self._update(best, scores, verifies)
+        probe = self._probe(scored, verifies)
         tier = probe or self.current
         if probe is not None:
             steps = dict.fromkeys(ids, probe.num_steps)  # a probe tests every position it can
             predicted = self._upper_goodput(probe, len(ids))
         else:
-            steps, predicted = self._revisit(tier, scored.steps_of(tier)), scored.goodput[tier]
+            steps, predicted = self._revisit(tier, scored.steps_of(tier), verifies), scored.goodput[tier]
         return Decision(tier, steps, predicted, switched)
 
     def forget(self, request_id: str) -> None:
@@ -361,7 +373,8 @@ class AdaptivePolicy:
         prefixes: dict[int, list[tuple[list[float], int]]] = {}
         for topk in {t.topk for t in self.tiers if not t.off}:
             rows = []
-            for rates in self.acceptance.rates_of(ids, topk).values():
+            explore = self._explore_span(topk)
+            for rates in self.acceptance.rates_of(ids, topk, explore, self.probe_z).values():
                 # A model drafter's request drafts only the positions it reaches with odds of at
                 # least min_reach; an n-gram lookup costs the same however deep (cut like that, a
                 # request fresh from a miss drafted 3 when its match ran on for 8): its cut, where
@@ -396,7 +409,36 @@ class AdaptivePolicy:
         if lead is None and remaining is not None:
             lead = _lead(remaining)
         acceptance = self.acceptance
-        return _Scores(ids, acceptance.version, acceptance.shadow_version, left, lead, goodput, score, depths)
+        return _Scores(
+            ids,
+            acceptance.version,
+            acceptance.shadow_version,
+            self._explore_key(),
+            left,
+            lead,
+            goodput,
+            score,
+            depths,
+        )
+
+    def _explore_key(self) -> tuple[tuple[int, int] | None, ...]:
+        """What `_explore_span` gives every topk: scores stand only while it does."""
+        return tuple(self._explore_span(topk) for topk in self._topks)
+
+    def _explore_span(self, topk: int) -> tuple[int, int] | None:
+        """While a tier of `topk` stands, the positions (0-based start, stop) past its depth up to the
+        next deeper tier's, which it never tests: scored by the pool's upper bound
+        (`AcceptanceTracker.rates_of`), so that tier gets run when they lack evidence and is then
+        judged on what its verifies measured. One tier deeper at a time: its positions are the ones
+        reached most often and it costs the least more; bounding every deeper position at once, an
+        8-chain over drafts whose first position held 0.3 kept coming back (its deep positions,
+        seldom reached, stayed untested) at 0.57x the 1-chain's goodput. Off (probes explore there),
+        under another topk (trees and chains keep apart estimates) or at the deepest tier: none."""
+        current = self.current
+        if current is None or current.off or current.topk != topk:
+            return None
+        deeper = [t.num_steps for t in self.tiers if t.topk == topk and t.num_steps > current.num_steps]
+        return (current.num_steps, min(deeper)) if deeper else None
 
     def _depths(self, tier: Tier, rows: list[tuple[list[float], int]], left: list[int] | None) -> list[int]:
         """Each request's draft steps in `tier` (see `draft_depths` for an n-gram chain)."""
@@ -445,9 +487,9 @@ class AdaptivePolicy:
         low = self.costs.estimate(VERIFY, batch, lo)
         return low + (self.costs.estimate(VERIFY, batch, hi) - low) * (width - lo) / (hi - lo)
 
-    def _revisit(self, tier: Tier, steps: dict[str, int]) -> dict[str, int]:
-        """A request given no draft for `probe_every` speculative steps in a row drafts the tier's
-        depth once: unverified, its estimates would never learn that its text turned predictable."""
+    def _revisit(self, tier: Tier, steps: dict[str, int], verifies: int = 1) -> dict[str, int]:
+        """A request given no draft for `probe_every` speculative steps (verifies) in a row drafts the
+        tier's depth once: unverified, its estimates would never learn that its text turned predictable."""
         if tier.off:
             return steps
         out = steps
@@ -455,7 +497,7 @@ class AdaptivePolicy:
             if n:
                 self._idle.pop(rid, None)
                 continue
-            idle = self._idle.get(rid, 0) + 1
+            idle = self._idle.get(rid, 0) + verifies
             if idle >= self.probe_every:
                 out = dict(steps) if out is steps else out
                 out[rid], idle = tier.num_steps, 0
@@ -485,11 +527,11 @@ class AdaptivePolicy:
             scored.probe = (off_rate, out)
         return scored.probe[1]
 
-    def _probe(self, scored: _Scores) -> Tier | None:
+    def _probe(self, scored: _Scores, verifies: int = 1) -> Tier | None:
         """A speculative tier to probe with, once every `probe_interval` steps with speculation off:
         the best under the upper confidence bounds of the pooled acceptance."""
         if not self.current.off:
-            return self._probe_off(len(scored.ids))
+            return self._probe_off(len(scored.ids), verifies)
         self._since_probe += 1
         speculative = [t for t in self.tiers if not t.off]
         if self._since_probe < self.probe_interval or not speculative or not scored.ids:
@@ -514,8 +556,8 @@ class AdaptivePolicy:
         self._probe_left = dict(zip(scored.ids, scored.left, strict=True)) if scored.left else None
         return tier
 
-    def _probe_off(self, batch: int) -> Tier | None:
-        """While speculating: plain steps every `probe_every` steps until a plain step at this batch
+    def _probe_off(self, batch: int, verifies: int = 1) -> Tier | None:
+        """While speculating: plain steps every `probe_every` verifies until a plain step at this batch
         has been measured. Until then its price is derived (the start-up profile of a one-token
         pass, which on the H100 once came out 2.5x slow), and a tier the policy believes dear it never
         runs, so the price would stand for good. `OFF_PROBE_STEPS` in a row: an overlapped plain
@@ -530,21 +572,25 @@ class AdaptivePolicy:
         if self._off_left:
             self._off_left -= 1
             return off
-        self._since_probe += 1
+        self._since_probe += verifies
         if self._since_probe < self.probe_every:
             return None
         self._since_probe, self._off_left = 0, OFF_PROBE_STEPS - 1
         self._probing = self._probe_left = None
         return off
 
-    def _update(self, best: Tier, scores: dict[Tier, float]) -> bool:
+    def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1) -> bool:
+        """Switch to `best` once it has won by `hysteresis` over `patience` verifies: the decision
+        where it first wins counts one, each later one the verifies since the decision before (one a
+        synchronous step; a device loop's run, up to 8 in one engine step, counted in engine steps
+        took 3 runs, 24 verifies, where a synchronous engine took 3)."""
         if self.current is None:
             self.current = best
             return False
         if best == self.current or scores[best] <= scores[self.current] * (1 + self.hysteresis):
             self._challenger, self._streak = None, 0
             return False
-        self._streak = self._streak + 1 if best == self._challenger else 1
+        self._streak = self._streak + verifies if best == self._challenger else 1
         self._challenger = best
         if self._streak < self.patience:
             return False
@@ -562,6 +608,7 @@ class _Scores:
     ids: tuple[str, ...]
     version: int
     shadow_version: int  # the shadow drafts' observations it saw (rescored every few decisions)
+    explore: tuple[tuple[int, int] | None, ...]  # the positions scored optimistic (`_explore_key`)
     left: list[int] | None  # tokens each may still emit, scored by the drain (nobody waits); else None
     lead: tuple[int, ...] | None  # `left` less its least: what one more decode step leaves as it is
     goodput: dict[Tier, float]  # predicted tokens per second of a step
@@ -585,17 +632,26 @@ def _lead(remaining: Sequence[int]) -> tuple[int, ...]:
     return tuple(r - least for r in remaining)
 
 
-def default_tiers(num_steps: int, topk: int = 1, num_draft_tokens: int | None = None) -> tuple[Tier, ...]:
-    """Off, chains of 1, 2, 4, ... up to `num_steps`, and the configured tree when topk > 1."""
+def default_tiers(
+    num_steps: int, topk: int = 1, num_draft_tokens: int | None = None, every_chain: int = 0
+) -> tuple[Tier, ...]:
+    """Off, chains of 1, 2, 4, ... up to `num_steps` (and of every length up to `every_chain`), and
+    the configured tree when topk > 1."""
     tiers = {OFF, Tier.chain(num_steps)}
     tiers.update(Tier.chain(s) for s in (1, 2, 4, 8, 16, 32) if s < num_steps)
+    tiers.update(Tier.chain(s) for s in range(1, min(every_chain, num_steps) + 1))
     if topk > 1:
         tiers.add(Tier(num_steps, topk, num_draft_tokens or num_steps))
     return tuple(sorted(tiers))
 
 
 def configured_tiers(spec: SpeculativeConfig) -> tuple[Tier, ...]:
-    """The tiers `spec.adaptive` names, else `default_tiers` of the configured shape."""
+    """The tiers `spec.adaptive` names, else `default_tiers` of the configured shape: a model
+    drafter's with every chain up to `MODEL_EVERY_CHAIN`. Its chain pays a draft step per position,
+    so goodput peaks at one length and falls off on both sides (the H100's EAGLE-3 head at batch 1:
+    chains 3 / 4 / 5 made 2,287 / 2,171 / 2,096 tok/s), and without the 3-chain the best tier was
+    0.95x the best static one; an n-gram lookup costs the same at any depth, powers of two suffice."""
     if spec.adaptive is None or spec.adaptive.tiers is None:
-        return default_tiers(spec.num_steps, spec.topk, spec.draft_tokens)
+        every = MODEL_EVERY_CHAIN if spec.method != "ngram" else 0
+        return default_tiers(spec.num_steps, spec.topk, spec.draft_tokens, every)
     return tuple(sorted({Tier(*shape) for shape in spec.adaptive.tiers}))
