@@ -173,7 +173,9 @@ def test_a_short_chain_leads_to_the_long_one_when_deep_positions_accept(seed):
     tiers, _ = _request(control, "good", good, rng)
     loop_steps = [t for t in tiers if not t.startswith("probe") and t != "off"]
     deep = next((i for i, t in enumerate(loop_steps) if int(t) >= 3), len(loop_steps))
-    assert deep * RUN <= 96  # verifies on the short chains first (the poor ones' evidence fades)
+    # verifies on the short chains first (the poor ones' evidence fades); before the exploration of
+    # deeper positions the policy stayed on them for good or left them after 136 verifies
+    assert deep * RUN <= 120
     assert control.policy.current.num_steps >= 3
 
 
@@ -232,10 +234,11 @@ def test_the_control_hands_the_policy_the_verifies_a_run_settled():
     assert loop_decisions and max(loop_decisions) == RUN
 
 
-def test_plain_steps_while_speculating_come_every_probe_every_verifies():
+def test_plain_steps_while_speculating_come_every_probe_every_engine_steps():
     """Until a plain step at the batch is measured, the policy runs a few every `probe_every` (32)
-    verifies: with runs of 8 that is every 4 engine steps, not every 32 (256 verifies)."""
+    engine steps, not verifies: with a head's loop a plain step ends a run and costs synchronous
+    catch-up steps (on the H100 at batch 64, every 4 loop steps made adaptive 0.76x chain 3)."""
     control = _control([(0, 1, 0), (3, 1, 3)])
-    tiers, _ = _request(control, "r", [0.9] * 4, random.Random(0), tokens=2048)
+    tiers, _ = _request(control, "r", [0.9] * 4, random.Random(0), tokens=4096)
     first_off = tiers.index("off")
-    assert first_off * RUN <= control.policy.probe_every + RUN
+    assert control.policy.probe_every - 2 <= first_off <= control.policy.probe_every + 2
