@@ -11,6 +11,7 @@ No wall clock is read.
 from __future__ import annotations
 
 import random
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -156,27 +157,31 @@ def test_positions_past_the_standing_chain_are_scored_by_their_upper_bound():
     assert explore[2:] == mean[2:]  # past the next tier's depth: the mean
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_short_chain_leads_to_the_long_one_when_deep_positions_accept(seed):
+def test_a_short_chain_leads_to_the_long_one_when_deep_positions_accept():
     """The H100's batch-1 miss: the policy held the 1-chain, which never tests position 2+, so those
     estimates rested at a prior that said nothing of the drafter. Here the deep drafts were first
     rejected (the policy rightly goes to the 1-chain), then accepted at 0.95: the 4-chain makes 1.27x
-    the 1-chain's tokens a ms, and the policy must stand on a deep chain within a few runs."""
-    control = _control()
-    rng = random.Random(seed)
-    poor, good = [0.5, 0.1, 0.1, 0.1], [0.5, 0.95, 0.95, 0.95]
-    for i in range(8):  # until a request ends on the 1-chain (deeper ones are tried now and then)
-        _request(control, f"poor{i}", poor, rng)
-        if i >= 2 and control.policy.current == Tier.chain(1):
-            break
-    assert control.policy.current == Tier.chain(1)
-    tiers, _ = _request(control, "good", good, rng)
-    loop_steps = [t for t in tiers if not t.startswith("probe") and t != "off"]
-    deep = next((i for i, t in enumerate(loop_steps) if int(t) >= 3), len(loop_steps))
-    # verifies on the short chains first (the poor ones' evidence fades); before the exploration of
-    # deeper positions the policy stayed on them for good or left them after 136 verifies
-    assert deep * RUN <= 120
-    assert control.policy.current.num_steps >= 3
+    the 1-chain's tokens a ms, and the policy must stand on a deep chain within a few runs. Over 20
+    seeds (one seed's path is noise: the same code took 0 to 144 verifies), every one gets there
+    within the request and ends on it, the median within 10 runs."""
+    reached = []
+    for seed in range(20):
+        control = _control()
+        rng = random.Random(seed)
+        poor, good = [0.5, 0.1, 0.1, 0.1], [0.5, 0.95, 0.95, 0.95]
+        for i in range(8):  # until a request ends on the 1-chain (deeper ones are tried now and then)
+            _request(control, f"poor{i}", poor, rng)
+            if i >= 2 and control.policy.current == Tier.chain(1):
+                break
+        assert control.policy.current == Tier.chain(1)
+        tiers, _ = _request(control, "good", good, rng)
+        loop_steps = [t for t in tiers if not t.startswith("probe") and t != "off"]
+        deep = next((i for i, t in enumerate(loop_steps) if int(t) >= 3), None)
+        assert deep is not None, f"seed {seed}: never left the short chains"
+        assert control.policy.current.num_steps >= 3
+        reached.append(deep * RUN)
+    # verifies on the short chains first (the poor ones' evidence fades)
+    assert statistics.median(reached) <= 80
 
 
 @pytest.mark.parametrize("seed", [0, 1])
