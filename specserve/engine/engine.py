@@ -120,7 +120,7 @@ class Engine:
         self._prefill_bucket = buckets.pick_prefill if buckets is not None and buckets.prefill_lens else None
         if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
             chain, depth = _draft_depths(config.speculative)
-            prefill = (buckets.prefill_lens, buckets.prefill_rows)
+            prefill = tuple(buckets.prefill_shapes())
             self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len, prefill)
         self.device_loops, self._loop_steps = make_device_loops(
             config.speculative if self.drafter is not None else None,

@@ -208,8 +208,7 @@ class CudaGraphs:
         if future is not None:
             resolve_future_ids(graph.ids, future)
         hidden, aux, logits = self.replay(graph)
-        # A verify bucket's logit rows are its first token rows; a prefill's token rows are more.
-        tokens = rows if graph.logit_index is None else step.num_tokens or hidden.shape[0]
+        tokens = step.num_tokens if step.num_tokens is not None else rows  # a verify's: its logit rows
         return hidden[:tokens], None if aux is None else aux[:tokens], logits[:rows]
 
     def replay(self, graph: _Graph) -> Outputs:

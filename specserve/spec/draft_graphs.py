@@ -73,17 +73,15 @@ class DraftGraphShapes:
     batch_sizes: tuple[int, ...]  # ascending, the target's graph batch buckets
     chain_steps: int  # most chain steps after the first draft one round runs (0: no chain graphs)
     extend_lens: tuple[int, ...]  # ascending query lens of extend buckets (() : none)
-    # The extends after the target's prefill buckets (a prompt's): query lens, at most this many rows.
-    prefill_lens: tuple[int, ...] = ()
-    prefill_rows: int = 0
+    # The target's prefill buckets (batch, query len): the extends over the prompts they ran.
+    prefill: tuple[tuple[int, int], ...] = ()
 
     def batch(self, batch: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= batch), None)
 
     def extend_shapes(self) -> list[tuple[int, int]]:
         every = [(b, q) for q in self.extend_lens for b in self.batch_sizes]
-        longer = [q for q in self.prefill_lens if q > max(self.extend_lens, default=0)]
-        return every + [(b, q) for q in longer for b in self.batch_sizes if b * q <= self.prefill_rows]
+        return every + [(b, q) for b, q in self.prefill if q > max(self.extend_lens, default=0)]
 
 
 class DeviceTokens:

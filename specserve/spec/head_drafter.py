@@ -113,17 +113,17 @@ class HeadDrafter(Drafter):
         chain_steps: int,
         depth: int,
         max_seq_len: int,
-        prefill: tuple[tuple[int, ...], int] = ((), 0),
+        prefill: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """Draft through CUDA graphs (captured now on CUDA; the same static buffers run eagerly on
         the CPU): chains of up to `chain_steps` drafts (0: no chain graphs) and extends over up to
         `depth` + 1 tokens (an accepted chain or tree path and its bonus token), for batches up to
-        the largest of `batch_sizes`; `prefill` (query lens, rows): the target's prefill buckets,
+        the largest of `batch_sizes`; `prefill`: the target's prefill buckets (batch, query len),
         whose prompts the head extends over next."""
         first = self.head.spec
         fc = getattr(self.head.step_modules[0], "fc", None)
         features = fc.in_features if first.method == "eagle3" else first.arch.hidden_size
-        shapes = DraftGraphShapes(batch_sizes, max(chain_steps - 1, 0), (depth + 1,), *prefill)
+        shapes = DraftGraphShapes(batch_sizes, max(chain_steps - 1, 0), (depth + 1,), tuple(prefill))
         self.graphs = DraftGraphs(self.head, self.backend, self.kv_cache, shapes, max_seq_len, features)
 
     # ---- draft extend ----------------------------------------------------------------------
