@@ -11,7 +11,9 @@ EOS ignored, and times every `Engine.step` on the host. Each step gets a kind:
 
 Prints per system the bench's tok/s, then the time and count per kind, and the gaps between steps.
 TRACE_PROFILE=N also prints, for each system's first traced run, where the host spent its first N
-steps (cProfile, top functions by cumulative time).
+steps (cProfile, top functions by cumulative time); TRACE_TORCH=N the same steps under the torch
+profiler (operators by host time and by device time, so a slow step shows whether it waits on the
+device or the host).
 
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
 """
@@ -37,6 +39,10 @@ PROMPTS = int(os.environ.get("TRACE_PROMPTS", "1"))
 BATCH = int(os.environ.get("TRACE_BATCH", "1"))
 TOKENS = int(os.environ.get("TRACE_TOKENS", "256"))
 PROFILE_STEPS = int(os.environ.get("TRACE_PROFILE", "0"))
+TORCH_STEPS = int(os.environ.get("TRACE_TORCH", "0"))
+
+
+ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
 def _kind(engine, flight_before: bool, flight_after: bool) -> str:
@@ -47,7 +53,9 @@ def _kind(engine, flight_before: bool, flight_after: bool) -> str:
     return "loop-first" if flight_after else "sync"
 
 
-def traced_run(llm, prompts: list[list[int]], profile: int = 0) -> tuple[float, dict, list[float], int]:
+def traced_run(
+    llm, prompts: list[list[int]], profile: int = 0, torch_steps: int = 0
+) -> tuple[float, dict, list[float], int]:
     engine = llm.engine
     times: dict[str, list[float]] = defaultdict(list)
     stamps: list[tuple[float, float]] = []
@@ -59,7 +67,15 @@ def traced_run(llm, prompts: list[list[int]], profile: int = 0) -> tuple[float, 
         kind = _kind(engine, before, False)
         profiling = profiler is not None and len(stamps) < profile
         start = time.perf_counter()
-        out = profiler.runcall(original) if profiling else original()
+        if len(stamps) < torch_steps:
+            with torch.profiler.profile(activities=ACTIVITIES) as prof:
+                out = original()
+                torch.cuda.synchronize()
+            print(f"\n### step {len(stamps)} ({kind}) under the torch profiler")
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
+        else:
+            out = profiler.runcall(original) if profiling else original()
         end = time.perf_counter()
         if kind != "prefill":
             kind = _kind(engine, before, engine._loop_flight is not None)
@@ -111,8 +127,8 @@ def main() -> None:
         for p in range(PROMPTS):
             batch = chats[p * BATCH : (p + 1) * BATCH]
             runs = [traced_run(llm, batch) for _ in range(2)]
-            if PROFILE_STEPS and p == 0:
-                traced_run(llm, batch, PROFILE_STEPS)
+            if (PROFILE_STEPS or TORCH_STEPS) and p == 0:
+                traced_run(llm, batch, PROFILE_STEPS, TORCH_STEPS)
             wall, times, gaps, verifies = min(runs, key=lambda r: r[0])
             tokens = TOKENS * len(batch)
             print(
