@@ -17,7 +17,8 @@ from head_reference import reference_step_logits
 from specserve import LLM, SamplingParams, default_drafter
 from specserve.cli import main
 from specserve.config import SpeculativeConfig
-from specserve.model.head_checkpoint import load_head, random_head, save_head
+from specserve.model.head_checkpoint import ROW_SCALE, dequantize_rows, load_head, random_head, save_head
+from specserve.model.hf_loader import load_safetensors_folder
 from specserve.model.loader import load_model
 from specserve.serve.config import ServeConfig
 from specserve.train.attention import CausalContext, UnrollContext
@@ -376,6 +377,56 @@ def test_a_run_can_start_from_a_trained_heads_weights(target, data, tmp_path):
     wider = dataclasses.replace(cfg, draft_vocab=None)
     with pytest.raises(ValueError, match="--init-from.*differs in shape"):
         train_head(target, samples, wider, tmp_path / "wider", **quiet)
+
+
+def test_a_wider_mlp_starts_from_a_trained_head_drafting_the_same(target, data, tmp_path):
+    """`--init-from` with a wider `--intermediate-size`: the trained units keep their weights, the new
+    ones add nothing until trained (down-projection columns at 0), so the MLP computes what it did;
+    one step of training gives the new units a say."""
+    _, samples = data
+    shape = dict(method="eagle3", steps=2, tokens_per_batch=512, warmup_steps=1, save_dtype="float32")
+    quiet = dict(progress_bar=False, log=lambda _: None)
+    train_head(target, samples, TrainConfig(**shape, max_steps=2), tmp_path / "first", **quiet)
+    width = target.arch.intermediate_size
+    wide = TrainConfig(**shape, max_steps=0, intermediate_size=2 * width, init_from=str(tmp_path / "first"))
+    train_head(target, samples, wide, tmp_path / "wide", **quiet)
+    narrow, widened = (
+        load_head(tmp_path / n, "eagle3", target.model, CPU, torch.float32) for n in ("first", "wide")
+    )
+    x = torch.randn(5, target.arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    mlps = [h.step_modules[0].midlayer.mlp for h in (narrow, widened)]
+    assert mlps[1].down_proj.weight.shape[1] == 2 * width
+    assert torch.allclose(mlps[0](x), mlps[1](x), atol=1e-6)
+    assert not mlps[1].down_proj.weight[:, width:].any()
+    train_head(target, samples, dataclasses.replace(wide, max_steps=1), tmp_path / "trained", **quiet)
+    trained = load_head(tmp_path / "trained", "eagle3", target.model, CPU, torch.float32)
+    assert trained.step_modules[0].midlayer.mlp.down_proj.weight[:, width:].abs().sum() > 0
+
+
+def test_an_int8_export_stores_half_the_bytes_and_loads_close_to_bf16(target, data, tmp_path):
+    """`--save-dtype int8`: matrices as int8 rows with one scale each (norms stay floating point),
+    dequantised at load within half a step of each row's bf16 values; a scale that does not fit its
+    matrix is refused."""
+    _, samples = data
+    shape = dict(method="eagle3", steps=2, tokens_per_batch=512, warmup_steps=1, max_steps=2)
+    quiet = dict(progress_bar=False, log=lambda _: None)
+    for dtype in ("bfloat16", "int8"):
+        train_head(target, samples, TrainConfig(**shape, save_dtype=dtype), tmp_path / dtype, **quiet)
+    stored = {d: load_safetensors_folder(tmp_path / d) for d in ("bfloat16", "int8")}
+    matrices = [n for n, t in stored["int8"].items() if t.dtype == torch.int8]
+    assert matrices and all(n + ROW_SCALE in stored["int8"] for n in matrices)
+    assert all(stored["int8"][n].dtype == torch.bfloat16 for n in stored["int8"] if "norm" in n)
+    size = {d: sum(t.numel() * t.element_size() for t in stored[d].values()) for d in stored}
+    assert size["int8"] < 0.6 * size["bfloat16"]
+    heads = {d: load_head(tmp_path / d, "eagle3", target.model, CPU, torch.float32) for d in stored}
+    for name, t in heads["bfloat16"].state_dict().items():
+        loaded = heads["int8"].state_dict()[name]
+        step = t.abs().amax(dim=-1, keepdim=True) / 127 if t.dim() == 2 else 0.0
+        assert (loaded - t).abs().le(step / 2 + 1e-2 * t.abs() + 1e-6).all(), name
+    broken = dict(stored["int8"])
+    broken[matrices[0] + ROW_SCALE] = torch.ones(3)
+    with pytest.raises(ValueError, match=ROW_SCALE):
+        dequantize_rows(broken)
 
 
 def test_answers_are_cut_a_few_tokens_into_their_first_loop():

@@ -75,7 +75,7 @@ def load_head(
     folder = Path(folder)
     _check_head_folder(folder, method)
     cfg = read_hf_config(folder)
-    stored = load_safetensors_folder(folder)
+    stored = dequantize_rows(load_safetensors_folder(folder))
     spec = head_spec(method, cfg, set(stored), target.arch)
     tensors, d2t = _param_tensors(spec, cfg, stored)
     embed_tokens, lm_head = vocab or (target.model.embed_tokens, target.lm_head)
@@ -269,7 +269,7 @@ def _stored_names(folder: Path) -> set[str]:
     for file in safetensors_files(folder):
         with safe_open(file, "pt") as f:
             keys = f.keys()  # a safe_open handle is not iterable itself
-        names.update(k.removeprefix("model.") for k in keys)
+        names.update(k.removeprefix("model.") for k in keys if not k.endswith(ROW_SCALE))
     return names
 
 
@@ -360,6 +360,41 @@ def head_checkpoint(
         tensors["d2t"] = ids - torch.arange(size)
         tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
     return _head_config(head.spec, target, head.spec.num_modules), tensors
+
+
+# A matrix stored as int8 rows carries its per-row scales under this suffix (`quantize_rows`).
+ROW_SCALE = "_row_scale"
+
+
+def quantize_rows(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every floating-point matrix as int8 rows (symmetric, one fp32 scale a row: its largest
+    magnitude / 127) plus `NAME_row_scale`: half the bytes of bf16; vectors (norms) stay as they are.
+    A shipped head must fit 12 MB; this is how a wider one does. The error (a row's step is 1/254 of
+    its range) only moves drafts, never what verify emits, which stays the target's."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.dim() != 2:
+            out[name] = t
+            continue
+        rows = t.float()
+        scale = rows.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        out[name] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        out[name + ROW_SCALE] = scale
+    return out
+
+
+def dequantize_rows(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`quantize_rows` undone (fp32 matrices); tensors stored as floats pass through."""
+    out = {n: t for n, t in tensors.items() if not n.endswith(ROW_SCALE)}
+    for name, scale in tensors.items():
+        if not name.endswith(ROW_SCALE):
+            continue
+        base = name.removesuffix(ROW_SCALE)
+        q = out.get(base)
+        if q is None or q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise ValueError(f"{base}: an int8 matrix of {tuple(scale.shape)[0]} rows must go with {name}")
+        out[base] = q.float() * scale.float()[:, None]
+    return out
 
 
 def save_head(

@@ -19,7 +19,7 @@ import torch
 
 from specserve.model.arch import ModelArch
 from specserve.model.draft_heads import DraftHead
-from specserve.model.head_checkpoint import head_checkpoint, save_head
+from specserve.model.head_checkpoint import head_checkpoint, quantize_rows, save_head
 
 STATE = Path("training") / "state.pt"
 LOG = Path("training") / "log.jsonl"
@@ -93,11 +93,16 @@ def export_head(
     dtype: torch.dtype,
     recipe: dict,
 ) -> Path:
-    """Write the head folder (config.json + model.safetensors, tensors in `dtype`); the recipe goes
+    """Write the head folder (config.json + model.safetensors, tensors in `dtype`; torch.int8: its
+    matrices as int8 rows with their scales, the rest bf16, `quantize_rows`); the recipe goes
     into config.json under `specserve`, which loaders ignore."""
-    config, tensors = head_checkpoint(head, target, draft_ids, dtype)
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    int8 = dtype == torch.int8
+    config, tensors = head_checkpoint(head, target, draft_ids, torch.bfloat16 if int8 else dtype)
+    config["torch_dtype"] = "bfloat16" if int8 else str(dtype).removeprefix("torch.")
     config["specserve"] = {"method": head.spec.method, "recipe": recipe}
+    if int8:
+        tensors = quantize_rows(tensors)
+        config["specserve"]["weights"] = "int8 rows (NAME + _row_scale), dequantised at load"
     return save_head(out, config, tensors)
 
 

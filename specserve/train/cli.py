@@ -113,7 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-vocab", type=int, default=None, help="eagle3: a reduced vocabulary of this many ids"
     )
     train.add_argument("--checkpoint-every", type=int, default=200, help="snapshot every N steps")
-    train.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    train.add_argument(
+        "--save-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32", "int8"),
+        help="the exported head's tensors; int8: its matrices as int8 rows with a scale each (half "
+        "the bytes of bf16, dequantised at load), the rest bf16",
+    )
     train.add_argument("--no-resume", action="store_true", help="start afresh even if OUT holds a snapshot")
     train.add_argument(
         "--compile",

@@ -209,11 +209,12 @@ def _initialise_from(
 ) -> torch.Tensor | None:
     """Copy a trained head's weights into `head` (a new schedule and optimizer: more training of a
     head whose run's state is gone, e.g. made on a machine since given back). Its shape must be
-    the recipe's; a reduced vocabulary comes with it. Returns the head's draft ids, if reduced."""
+    the recipe's, but for a wider MLP (`_widened`); a reduced vocabulary comes with it. Returns
+    the head's draft ids, if reduced."""
     from specserve.model.head_checkpoint import load_head
 
     trained = load_head(cfg.init_from, cfg.method, loaded.model, device, torch.float32)
-    mine, theirs = head.state_dict(), trained.state_dict()
+    mine, theirs = head.state_dict(), _widened(trained.state_dict(), head.state_dict())
     wrong = sorted(n for n in mine if n not in theirs or theirs[n].shape != mine[n].shape)
     if wrong or set(theirs) - set(mine):
         raise ValueError(
@@ -223,6 +224,31 @@ def _initialise_from(
     head.load_state_dict(theirs)
     log(f"train: initialised from the head in {cfg.init_from}")
     return None if trained.draft_to_target is None else trained.draft_to_target.cpu()
+
+
+def _widened(theirs: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A trained head's MLPs grown to the wider ones of `mine` without changing what it computes:
+    the new units keep `mine`'s fresh gate/up rows, and their down-projection columns start at 0,
+    so the head drafts exactly as before and the new units learn from the first step (their down
+    columns get gradients at once, then their gate/up rows). More capacity for a head that has
+    stopped improving on more data, without training it afresh. Other tensors pass through."""
+    out = dict(theirs)
+    for name, old in theirs.items():
+        new = mine.get(name)
+        if new is None or new.dim() != 2:
+            continue
+        if name.endswith("mlp.gate_up_proj.weight") and _grows(old.shape[::-1], new.shape[::-1]):
+            width, wider = old.shape[0] // 2, new.shape[0] // 2
+            fresh = new.to(old.dtype)
+            out[name] = torch.cat([old[:width], fresh[width:wider], old[width:], fresh[wider + width :]])
+        elif name.endswith("mlp.down_proj.weight") and _grows(old.shape, new.shape):
+            out[name] = torch.cat([old, old.new_zeros(old.shape[0], new.shape[1] - old.shape[1])], dim=1)
+    return out
+
+
+def _grows(old: torch.Size, new: torch.Size) -> bool:
+    """Same rows, more columns."""
+    return old[0] == new[0] and new[1] > old[1]
 
 
 @contextlib.contextmanager
