@@ -14,7 +14,10 @@ and leaves, so the batch thins in the tail; of `--repeats` runs the faster count
 Acceptance is n-gram-like, bimodal (a short or a long match, or none), per request (`TEXT`: classes
 fitted to the H100's accept lengths, `ACCEPT`). `--run` picks the H100 run that clocks the steps
 (`sixth`, the default: the sixth session's run, whose cost tables were 1.5-3x off; `latest`: the
-fifth session's run after its cost-model fix; `first`: the one before, whose plain rows ran steadier).
+fifth session's run after its cost-model fix; `first`: the one before, whose plain rows ran steadier;
+`twelfth`: chain tiers in the device loop, `LOOP_PROFILE`, as the engine runs n-gram chains since the
+eighth session: a run of `LOOP_RUN` verifies an engine step, its step time fed back as
+`Engine._observe_loop` does).
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
@@ -25,7 +28,7 @@ verdict, the steps per tier, the policy's predicted step ms beside the clock's s
 mean ms of the steady and the transition steps the control code saw.
 
     PYTHONPATH=... python -P scripts/adaptive_sim.py [--workload mixed|mt-bench] [--batches 1,4,16,64]
-        [--run sixth|latest|first] [--prefill-us 1.5] [--transition 0.5] [--first-ms 5] [--jitter 0.15]
+        [--run sixth|latest|first|twelfth] [--prefill-us 1.5] [--transition 0.5] [--first-ms 5] [--jitter 0.15]
 """
 
 from __future__ import annotations
@@ -158,6 +161,45 @@ H100 = {
     },
 }
 
+# The device loop (`specserve/engine/device_loop.py`), which runs every n-gram chain tier since the
+# eighth session: a loop step of chain k over `batch` requests costs its profile, LOOP_PROFILE[batch][k]
+# ms (the start-up profile's back-to-back steps over rows of length 1: no context), plus the attention
+# over the requests' real contexts, CONTEXT_MS per request, query row and context token. The
+# profile figures are the policy's loop prices of the twelfth run (83e83ba, REPEATS=1, MT-Bench:
+# b16 1.05 / 1.10 / 1.13 / 1.27, b64 2.46 / 2.48 / 2.60 / 2.70 for chains 1 / 2 / 4 / 8) and the
+# loop steps profiled at batch 1 (tenth session: ~0.91 ms for chain 8); CONTEXT_MS fits the static
+# loop rows' cost per verify at batch 64 rising ~0.12 ms a query row (tenth session: chain 4 2.48,
+# chain 12 3.46 ms a verify; twelfth: chain 2 3.16, chain 8 4.39), none of which the profile sees.
+# Plain steps: the tenth session's plain rows (REPEATS=2; the twelfth run's were broken by warm-up).
+LOOP_PROFILE = {
+    1: {1: 0.80, 2: 0.82, 4: 0.86, 8: 0.91},
+    4: {1: 0.88, 2: 0.90, 4: 0.95, 8: 1.02},
+    16: {1: 0.92, 2: 0.96, 4: 0.99, 8: 1.11},
+    64: {1: 1.50, 2: 1.52, 4: 1.60, 8: 1.66},
+}
+CONTEXT_MS = 8e-6
+LOOP_PLAIN = {1: 0.72, 4: 0.85, 16: 1.08, 64: 1.75}
+LOOP_RUN = 8  # verifies a loop run queues (`device_loop.DEVICE_STEPS`)
+SYNC_HOST_MS = 0.3  # a synchronous speculative step's host work beyond the loop step (a probe)
+# For comparison: the twelfth run's static rows at batch 16 and 64 (REPEATS=1; 0: not measured), its
+# plain row replaced by the tenth session's (REPEATS=2; the twelfth's was broken by warm-up)
+LOOP_TOK_S = {
+    "mt-bench": {
+        "off": {1: 1392, 4: 0, 16: 14773, 64: 36539},
+        "1": {1: 0, 4: 0, 16: 13142, 64: 23496},
+        "2": {1: 0, 4: 0, 16: 13836, 64: 30210},
+        "4": {1: 0, 4: 0, 16: 11597, 64: 25029},
+        "8": {1: 0, 4: 0, 16: 12817, 64: 25085},
+        "adaptive": {1: 0, 4: 0, 16: 12544, 64: 21622},
+    },
+}
+
+_NO_ROW = {k: dict.fromkeys((1, 4, 16, 64), 0) for k in ("off", "1", "2", "4", "8", "adaptive")}
+H100["twelfth"] = {  # the device loop's costs above (`Clock.loop`)
+    "mt-bench": {"plain": LOOP_PLAIN, "tok/s": LOOP_TOK_S["mt-bench"]},
+    "mixed": {"plain": LOOP_PLAIN, "tok/s": _NO_ROW},
+}
+
 # The static chains' accept lengths on the H100 (accepted drafts + 1 per verify; greedy, so both runs'),
 # what the text model below is fitted to.
 ACCEPT = {
@@ -224,6 +266,7 @@ class Clock:
         self.prompt, self.prefill_us, self.transition = PROMPT_TOKENS[workload], prefill_us, transition
         self.first_ms = first_ms
         self._seen: set[tuple[int, int, int]] = set()  # (engine, chain, batch) verified before
+        self.loop = run == "twelfth"  # chain tiers run in the device loop (`LOOP_PROFILE`)
 
     def first_time(self, engine: object, drafts: int, batch: int) -> float:
         """Extra ms of an engine's first verify of this bucket at this batch (`first_ms`: a model of
@@ -242,15 +285,29 @@ class Clock:
         return 0.5 + self.prefill_us * 1e-3 * self.prompt * batch
 
     def plain_ms(self, batch: int) -> float:
-        return by_batch(self.table["plain"], batch)
+        return by_batch(LOOP_PLAIN if self.loop else self.table["plain"], batch)
 
-    def chain_ms(self, drafts: int, batch: int) -> tuple[float, float, float]:
-        """(draft, target, postprocess) ms of a step whose widest draft is `drafts` deep (its bucket's chain)."""
+    def loop_ms(self, drafts: int, batch: int, context: float, profiled: bool = False) -> float:
+        """A device-loop step of the chain whose bucket fits `drafts` over `batch` requests of
+        `context` tokens on average (`profiled`: as the start-up profile times it, no context)."""
+        chain = next((c for c in CHAINS if c >= drafts), CHAINS[-1])
+        base = by_batch({b: row[chain] for b, row in LOOP_PROFILE.items()}, batch)
+        return base if profiled else base + CONTEXT_MS * batch * (chain + 1) * context
+
+    def chain_ms(self, drafts: int, batch: int, context: float = 0.0) -> tuple[float, float, float]:
+        """(draft, target, postprocess) ms of a step whose widest draft is `drafts` deep (its bucket's
+        chain); with the loop, a synchronous step (a probe): its loop step and the host's work."""
+        if self.loop:
+            return 0.0, self.loop_ms(drafts, batch, context) + SYNC_HOST_MS, 0.0
         chain = next((c for c in CHAINS if c >= drafts), CHAINS[-1])
         rows = self.table[chain]
         return tuple(by_batch({b: rows[b][i] for b in rows}, batch) for i in range(3))  # type: ignore[return-value]
 
     def profile_pass_ms(self, batch: int, query_len: int) -> float:
+        if self.loop:  # a chain's loop step, as `cost_profile.time_loop_step`; plain: a decode pass
+            if query_len == 1:
+                return PROFILE_SHARE * self.plain_ms(batch)
+            return self.loop_ms(query_len - 1, batch, 0.0, profiled=True)
         return PROFILE_SHARE * self.chain_ms(max(query_len - 1, 1), batch)[1]
 
     def requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
@@ -290,6 +347,9 @@ def profile(adaptive: AdaptiveSpeculation, clock: Clock) -> None:
     lens = sorted({t.query_len for t in adaptive.tiers})
     shapes = [(b, q) for b in GRAPH_BATCHES for q in lens]
     adaptive.costs.profile(VERIFY, shapes, lambda b, q: clock.profile_pass_ms(b, q) * MS)
+    if clock.loop:  # the loop drafts on the device, in its step (`cost_profile.LOOP_DRAFT_SECONDS`)
+        adaptive.costs.profile(DRAFT, [(b, 1) for b in GRAPH_BATCHES], lambda b, w: 1e-6)
+        return
     adaptive.costs.profile(DRAFT, [(b, 1) for b in GRAPH_BATCHES], lambda b, w: clock.chain_ms(8, b)[0] * MS)
 
 
@@ -329,6 +389,7 @@ def run(
         req.left -= 1
         made[req.request_id] = req.num_output = 1
     total, seconds = batch, ms * MS
+    looped: tuple[Tier, int] | None = None  # the loop run before: its tier and batch (a run resumes it)
     while reqs:
         # step-to-step noise of the wall clock (host jitter), the same sequence for every system
         jitter = math.exp(clock.jitter * noise.gauss(0.0, 1.0) - clock.jitter**2 / 2)
@@ -340,6 +401,22 @@ def run(
             adaptive.tier, adaptive._steps = tier, dict.fromkeys((r.request_id for r in reqs), tier.num_steps)
             settings = SimpleNamespace(num_steps=tier.num_steps)
         n, stats, emitted_of = len(reqs), StepStats(), {}
+        if clock.loop and not tier.off and (static is not None or not adaptive.probing):
+            resumed = looped == (tier, n)
+            ms, got, acc = loop_run(adaptive, clock, reqs, made, tier, resumed and static is None, jitter)
+            ms += settle_ms(inflight) + (0.0 if resumed else FRESH_MS)
+            verifies, accepted_drafts = verifies + got, accepted_drafts + acc
+            inflight, looped = 0.0, (tier, n)
+            total += sum(r.num_output - made[r.request_id] for r in reqs)
+            seconds += ms * MS
+            for req in reqs:
+                made[req.request_id] = req.num_output
+                req.left = req.params.max_new_tokens - req.num_output
+            for req in [r for r in reqs if r.left <= 0]:
+                adaptive.forget(req.request_id)
+            reqs = [r for r in reqs if r.left > 0]
+            continue
+        looped = None
         if settings.num_steps == 0:
             ms = max(inflight, LAUNCH_MS)  # launched, then the wait for the step in flight
             inflight = clock.plain_ms(n) * jitter
@@ -394,11 +471,58 @@ def run(
     return total / seconds, (accepted_drafts + verifies) / verifies if verifies else 0.0
 
 
+FRESH_MS = 0.3  # a loop run not queued behind one: the host's turn between runs (launch, settle)
+
+
+def settle_ms(inflight: float) -> float:
+    """The plain step still in flight, settled before a speculative step."""
+    return inflight
+
+
+def loop_run(
+    adaptive: AdaptiveSpeculation,
+    clock: Clock,
+    reqs: list[SimpleNamespace],
+    made: dict[str, int],
+    tier: Tier,
+    resumed: bool,
+    jitter: float,
+) -> tuple[float, int, int]:
+    """A device-loop run of `tier` over `reqs`, as `Engine._loop_step` settles it: `LOOP_RUN` verifies
+    (a request that reached its end stays in the run, appending nothing), each fed to the estimates
+    (`observe_chain`), the run's step ms to the cost tables when it was queued behind one of its
+    own (`observe_loop`). Its ms, verifies and accepted drafts; each request's `num_output` moves on."""
+    n, k = len(reqs), tier.num_steps
+    verifies = accepted_drafts = 0
+    for _ in range(LOOP_RUN):
+        for req in reqs:
+            left = req.params.max_new_tokens - req.num_output
+            if left <= 0:
+                continue
+            depth = min(k, left - 1)
+            found = clock.accepted(req, depth, req.num_output) if depth > 0 else 0
+            accepted = found or 0
+            if depth > 0:
+                adaptive.observe_chain(req, depth, accepted, n)
+            verifies, accepted_drafts = verifies + 1, accepted_drafts + accepted
+            req.num_output += accepted + 1
+    context = clock.prompt + sum(min(r.num_output, r.params.max_new_tokens) for r in reqs) / n
+    step = clock.loop_ms(k, n, context) * jitter
+    for req in reqs:
+        req.num_output = min(req.num_output, req.params.max_new_tokens)
+    if resumed:
+        adaptive.observe_loop(n, k, step * MS)
+    adaptive.idle()
+    return LOOP_RUN * step, verifies, accepted_drafts
+
+
 def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}})
     adaptive = AdaptiveSpeculation(spec)
     adaptive.overlapped_off = True
     adaptive.shapes = VerifyShapes(tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1])
+    if clock.loop:
+        adaptive.looped_chains = frozenset(t.num_steps for t in adaptive.tiers if not t.off)
     profile(adaptive, clock)
     return adaptive
 
@@ -473,7 +597,11 @@ def main() -> int:
             + f"{plain:.2f}x plain  {'ok' if ok else 'MISSED'}; steps per tier {used}"
         )
         d = adaptive.diagnostics(batch)
-        real = {"off": clock.plain_ms(batch), **{str(c): sum(clock.chain_ms(c, batch)) for c in CHAINS}}
+        if clock.loop:  # a loop step halfway through a request (its context: the prompt and half the answer)
+            mid = clock.prompt + args.tokens / 2
+            real = {"off": clock.plain_ms(batch), **{str(c): clock.loop_ms(c, batch, mid) for c in CHAINS}}
+        else:
+            real = {"off": clock.plain_ms(batch), **{str(c): sum(clock.chain_ms(c, batch)) for c in CHAINS}}
         print(
             f"  predicted ms/step at b{batch}: {d['step_ms']}; the clock's (steady): "
             + str({k: round(v, 3) for k, v in real.items()})

@@ -212,8 +212,12 @@ class AdaptiveSpeculation:
 
     def observe_loop(self, batch: int, depth: int, seconds: float) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
-        run the device ran back to back (its contexts are real, where the profile's are empty)."""
-        self.costs.observe(VERIFY, batch, depth + 1, seconds)
+        run the device ran back to back (its contexts are real, where the profile's are empty: what
+        it costs beyond the profile is priced per query row, `StepCosts.observe`'s `rows`); kept for
+        `diagnostics` as a steady step of its tier."""
+        self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True)
+        name = Tier.chain(depth).name
+        self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases

@@ -24,6 +24,14 @@ the last segment's, which joins two neighbours of a bench row's tail; host work 
 batch, so the nearest batch's residual alone priced a 64-request verify like a 16-request one). Otherwise the shapes the engine never ran would look cheaper than those it did,
 and the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
 
+A device loop's step (`observe`'s `rows`) has no host work between its forwards: what it costs beyond
+its profile is the attention over the requests' real contexts (the profile's rows hold one token),
+paid per query row. Such a gap is kept per row (the gap over the width) and priced by the width, so a
+loop tier measured live prices the deeper ones by their rows: as one residual per batch, the gap the
+2-chain's loop steps measured at batch 64 was added to the 8-chain's as it was, which priced the
+8-chain's steps at 1.09x the 2-chain's where they cost ~1.39x (issue 9, twelfth H100 run), and the
+policy held the 8-chain.
+
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
 shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
 cost plus what the profile adds from there. Scaled in proportion to the batch instead, the plain
@@ -92,10 +100,17 @@ class StepCosts:
             tuple[str, int], deque[tuple[float, float]]
         ] = {}  # (kind, batch) -> live minus profiled
         self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> robust mean of its gaps
+        # likewise of the gaps per query row, from steps with no host work (device-loop steps)
+        self._row_gaps: dict[tuple[str, int], deque[tuple[float, float]]] = {}
+        self._row_residual: dict[str, dict[int, float]] = {}
 
-    def observe(self, kind: str, batch: int, width: int, seconds: float, steady: bool = True) -> None:
+    def observe(
+        self, kind: str, batch: int, width: int, seconds: float, steady: bool = True, rows: bool = False
+    ) -> None:
         """A live step of this shape took `seconds`. `steady`: a step like its neighbours (no
-        transition's extra cost in it); one that is not only fills in a shape nothing else prices."""
+        transition's extra cost in it); one that is not only fills in a shape nothing else prices.
+        `rows`: a step with no host work (a device loop's), whose gap over its profile is per query
+        row (the module docstring)."""
         if batch < 1 or width < 1 or not seconds > 0 or self.alpha == 0:
             return  # an empty or untimed step says nothing about cost; alpha 0 keeps the profile
         key = (kind, width, batch)
@@ -115,10 +130,12 @@ class StepCosts:
             self._live.add(key)
         profiled = self._profiled.get((kind, width))
         if profiled:
-            gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
-            gaps.append((seconds, seconds - _interpolate(profiled, batch)))
+            gap = seconds - _interpolate(profiled, batch)
+            every, residual = (self._row_gaps, self._row_residual) if rows else (self._gaps, self._residual)
+            gaps = every.setdefault((kind, batch), deque(maxlen=self.window))
+            gaps.append((seconds, gap / width if rows else gap))
             if len(gaps) >= self.min_samples:
-                self._residual.setdefault(kind, {})[batch] = robust_mean(gaps)
+                residual.setdefault(kind, {})[batch] = robust_mean(gaps)
 
     def samples(self, kind: str, batch: int, width: int) -> int:
         """How many steady measurements of this shape are kept (at most `window`; its price counts
@@ -161,13 +178,15 @@ class StepCosts:
             return row[batch]
         profiled = self._profiled.get((kind, width))
         if profiled:  # the profile, and what live steps of this kind cost beyond their profile
-            return max(_interpolate(profiled, batch) + self.residual(kind, batch), 1e-9)
+            beyond = self.residual(kind, batch) + width * self.residual(kind, batch, rows=True)
+            return max(_interpolate(profiled, batch) + beyond, 1e-9)
         return self._borrow_shape(kind, width, row, batch)
 
-    def residual(self, kind: str, batch: int) -> float:
-        """Seconds live steps of `kind` took beyond their profile: linear in batch between the batches
-        that measured one, past them along their least-squares slope (never falling there)."""
-        residuals = self._residual.get(kind)
+    def residual(self, kind: str, batch: int, rows: bool = False) -> float:
+        """Seconds live steps of `kind` took beyond their profile (`rows`: per query row, of steps
+        with no host work): linear in batch between the batches that measured one, past them along
+        their least-squares slope (never falling there)."""
+        residuals = (self._row_residual if rows else self._residual).get(kind)
         if not residuals:
             return 0.0
         if batch in residuals:
