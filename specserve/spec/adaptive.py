@@ -112,9 +112,6 @@ MODEL_EVERY_CHAIN = 4  # a model drafter's default tiers: every chain up to this
 # Plain steps in a row while speculating (`_probe_off`): the first is a transition, the rest steady,
 # enough of them for a price (`step_costs.MIN_SAMPLES`).
 OFF_PROBE_STEPS = MIN_SAMPLES + 1
-# A batch this many times the one the standing tier was chosen at is a new regime: a tier that beats
-# the standing one there by the hysteresis margin takes over at once, without patience (`_update`).
-REDECIDE_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -182,7 +179,6 @@ class AdaptivePolicy:
         self._challenger: Tier | None = None
         self._streak = 0
         self.last_batch = 0
-        self._chosen_at = 0  # the batch the standing tier was chosen (or re-chosen) at
 
     def goodput(self, tier: Tier, request_ids: Sequence[str]) -> float:
         """Predicted tokens per second of one step of `tier` over these requests."""
@@ -243,7 +239,7 @@ class AdaptivePolicy:
         self.last_batch = len(ids)
         scores = scored.score
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
-        switched = self._update(best, scores, verifies, len(ids))
+        switched = self._update(best, scores, verifies)
         probe = self._probe(scored, verifies)
         tier = probe or self.current
         if probe is not None:
@@ -586,45 +582,26 @@ class AdaptivePolicy:
         self._probing = self._probe_left = None
         return off
 
-    def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1, batch: int = 0) -> bool:
+    def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1) -> bool:
         """Switch to `best` once it has won by `hysteresis` over `patience` verifies: the decision
         where it first wins counts one, each later one the verifies since the decision before (one a
         synchronous step; a device loop's run, up to 8 in one engine step, counted in engine steps
-        took 3 runs, 24 verifies, where a synchronous engine took 3). Without waiting for patience
-        where the batch grew `REDECIDE_RATIO`-fold since the standing tier was chosen: its streak
-        of wins was at another batch. Issue 9's H100 run came to batch 64 holding the 8-chain from
-        batch 16 (1.2x the 1-chain's cost there, 2.4x at 64). The margin stays: dropped too, the
-        policy took the cost tables' first guess at the new batch, a near-tie (off 43.2k tok/s
-        against the 2-chain's 43.2k), and on the mixed workload stayed off where the 1-chain the
-        policy held made 1.06x plain (`scripts/adaptive_sim.py`, 0.96x the best static chain)."""
+        took 3 runs, 24 verifies, where a synchronous engine took 3)."""
         if self.current is None:
-            self._switch(best, batch, count=False)
+            self.current = best
             return False
         if best == self.current or scores[best] <= scores[self.current] * (1 + self.hysteresis):
             self._challenger, self._streak = None, 0
-            if self._new_regime(batch):
-                self._chosen_at = batch  # the standing tier still wins at the new batch
             return False
         self._streak = self._streak + verifies if best == self._challenger else 1
         self._challenger = best
-        if self._streak < self.patience and not self._new_regime(batch):
+        if self._streak < self.patience:
             return False
-        self._switch(best, batch)
+        self.current, self._challenger, self._streak = best, None, 0
+        self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
+        self.switches += 1
+        self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True
-
-    def _new_regime(self, batch: int) -> bool:
-        """A batch grown `REDECIDE_RATIO`-fold since the standing tier was chosen. Not one that thinned:
-        a batch draining its last requests was judged by how soon it ends (`draft_depths`), which
-        counts the thinning in; re-deciding there switched loop tiers back and forth, each switch
-        a fresh run (`scripts/adaptive_sim.py`: mixed batch 64, 0.95x the best static chain)."""
-        return self._chosen_at > 0 and batch >= REDECIDE_RATIO * self._chosen_at
-
-    def _switch(self, best: Tier, batch: int, count: bool = True) -> None:
-        if count:
-            self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
-            self.switches += 1
-            self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
-        self.current, self._challenger, self._streak, self._chosen_at = best, None, 0, batch
 
 
 @dataclass

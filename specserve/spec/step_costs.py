@@ -25,18 +25,12 @@ batch, so the nearest batch's residual alone priced a 64-request verify like a 1
 and the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
 
 A device loop's step (`observe`'s `rows`) has no host work between its forwards: what it costs beyond
-its profile (whose rows hold one token) is mostly the attention over the requests' real contexts, paid
-per query row. Such gaps are kept per row and price the widths not run lately by their rows: as one
-residual per batch, the n-gram 2-chain's gap at batch 64 was added to the 8-chain's as it was, which
-priced the 8-chain at 1.09x the 2-chain where it cost ~1.39x (twelfth H100 run), and the policy held
-the 8-chain. Not all of it is per row, though (a head loop's extend and chain, the host settling a run
-of 64 requests behind the device): a width that ran lately (`OWN_SAMPLES` of its last gaps within its
-batch's last `window` loop steps) is priced by its own gaps. Per row only, the EAGLE-3 head's 1-chain
-gap at batch 64 priced its 3-chain at 2.39 ms where the 3-chain's own steps had measured 1.71
-(thirteenth run), and the policy left it for the 1-chain (0.90x the best static chain). A line fitted
-through the widths' gaps (per step + per row) split them wrongly on the n-gram loop, whose widths ran
-at different contexts: a spurious per-step part, extrapolated to batch 64, priced the 8-chain at 1.1x
-the 1-chain where it costs 1.9x (`scripts/adaptive_sim.py --run twelfth --seed 4`: 0.90x).
+its profile is the attention over the requests' real contexts (the profile's rows hold one token),
+paid per query row. Such a gap is kept per row (the gap over the width) and priced by the width, so a
+loop tier measured live prices the deeper ones by their rows: as one residual per batch, the gap the
+2-chain's loop steps measured at batch 64 was added to the 8-chain's as it was, which priced the
+8-chain's steps at 1.09x the 2-chain's where they cost ~1.39x (issue 9, twelfth H100 run), and the
+policy held the 8-chain.
 
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
 shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
@@ -77,10 +71,6 @@ VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
 # (`scripts/adaptive_sim.py`).
 MIN_SAMPLES = 3
 OUTLIER = 2.0  # a measurement over this many times its window's median is not the shape's cost
-# A loop width's own gaps price it from this many on (its batch's fit waits for `MIN_SAMPLES` in
-# all): the H100's head loop ran its 3-chain two steady steps at batch 64 before the policy, pricing
-# it from the 1-chain's gap at 1.4x what they measured, left it for good.
-OWN_SAMPLES = 2
 
 
 class StepCosts:
@@ -110,15 +100,9 @@ class StepCosts:
             tuple[str, int], deque[tuple[float, float]]
         ] = {}  # (kind, batch) -> live minus profiled
         self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> robust mean of its gaps
-        # device-loop steps' gaps by (kind, batch, width) and each width's robust mean of them; per
-        # query row by (kind, batch), and kind -> batch -> their robust mean
-        self._loop_gaps: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
-        self._row_gaps: dict[tuple[str, int], deque[tuple[float, float]]] = {}  # gaps per query row
+        # likewise of the gaps per query row, from steps with no host work (device-loop steps)
+        self._row_gaps: dict[tuple[str, int], deque[tuple[float, float]]] = {}
         self._row_residual: dict[str, dict[int, float]] = {}
-        self._own_gap: dict[tuple[str, int, int], float] = {}
-        # (kind, batch) -> its loop steps so far; (kind, batch, width) -> that count at its last step
-        self._loop_count: dict[tuple[str, int], int] = {}
-        self._loop_seen: dict[tuple[str, int, int], int] = {}
 
     def observe(
         self, kind: str, batch: int, width: int, seconds: float, steady: bool = True, rows: bool = False
@@ -145,39 +129,13 @@ class StepCosts:
             row[batch] = robust_mean(samples)
             self._live.add(key)
         profiled = self._profiled.get((kind, width))
-        if not profiled:
-            return
-        gap = seconds - _interpolate(profiled, batch)
-        if rows:
-            self._observe_loop_gap(kind, batch, width, seconds, gap)
-            return
-        gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
-        gaps.append((seconds, gap))
-        if len(gaps) >= self.min_samples:
-            self._residual.setdefault(kind, {})[batch] = robust_mean(gaps)
-
-    def _observe_loop_gap(self, kind: str, batch: int, width: int, seconds: float, gap: float) -> None:
-        """A loop step's gap over its profile: per query row into the batch's residual, and kept by
-        width, the width's own price once it has `OWN_SAMPLES` of them lately (`_fresh`)."""
-        key, at = (kind, batch, width), (kind, batch)
-        now = self._loop_count[at] = self._loop_count.get(at, 0) + 1
-        gaps = self._loop_gaps.setdefault(key, deque(maxlen=self.window))
-        if now - self._loop_seen.get(key, now) >= self.window:
-            gaps.clear()  # from contexts long gone
-        gaps.append((seconds, gap))
-        self._loop_seen[key] = now
-        if len(gaps) >= min(OWN_SAMPLES, self.min_samples):
-            self._own_gap[key] = robust_mean(gaps)
-        rows = self._row_gaps.setdefault(at, deque(maxlen=self.window))
-        rows.append((seconds, gap / width))
-        if len(rows) >= self.min_samples:
-            self._row_residual.setdefault(kind, {})[batch] = robust_mean(rows)
-
-    def _fresh(self, kind: str, batch: int, width: int) -> bool:
-        """Whether this loop width ran at `batch` within its last `window` loop steps: older gaps were
-        over shorter contexts (a run's grow ~3x over 256 tokens) and no longer price it."""
-        seen = self._loop_seen.get((kind, batch, width))
-        return seen is not None and self._loop_count[(kind, batch)] - seen < self.window
+        if profiled:
+            gap = seconds - _interpolate(profiled, batch)
+            every, residual = (self._row_gaps, self._row_residual) if rows else (self._gaps, self._residual)
+            gaps = every.setdefault((kind, batch), deque(maxlen=self.window))
+            gaps.append((seconds, gap / width if rows else gap))
+            if len(gaps) >= self.min_samples:
+                residual.setdefault(kind, {})[batch] = robust_mean(gaps)
 
     def samples(self, kind: str, batch: int, width: int) -> int:
         """How many steady measurements of this shape are kept (at most `window`; its price counts
@@ -220,23 +178,20 @@ class StepCosts:
             return row[batch]
         profiled = self._profiled.get((kind, width))
         if profiled:  # the profile, and what live steps of this kind cost beyond their profile
-            beyond = self.residual(kind, batch) + self.loop_gap(kind, batch, width)
+            beyond = self.residual(kind, batch) + width * self.residual(kind, batch, rows=True)
             return max(_interpolate(profiled, batch) + beyond, 1e-9)
         return self._borrow_shape(kind, width, row, batch)
 
     def residual(self, kind: str, batch: int, rows: bool = False) -> float:
-        """Seconds live synchronous steps of `kind` took beyond their profile (`rows`: device-loop
-        steps', per query row, of the fitted line): linear in batch between the batches that
-        measured one, past them along their least-squares slope (never falling there)."""
-        return _residual((self._row_residual if rows else self._residual).get(kind), batch)
-
-    def loop_gap(self, kind: str, batch: int, width: int) -> float:
-        """Seconds a device-loop step of this shape takes beyond its profile: the width's own gaps
-        where it ran lately at this batch, else per query row as the widths that ran."""
-        own = self._own_gap.get((kind, batch, width))
-        if own is not None and self._fresh(kind, batch, width):
-            return own
-        return width * _residual(self._row_residual.get(kind), batch)
+        """Seconds live steps of `kind` took beyond their profile (`rows`: per query row, of steps
+        with no host work): linear in batch between the batches that measured one, past them along
+        their least-squares slope (never falling there)."""
+        residuals = (self._row_residual if rows else self._residual).get(kind)
+        if not residuals:
+            return 0.0
+        if batch in residuals:
+            return residuals[batch]
+        return _interpolate(residuals, batch, affine=True)
 
     def _borrow_shape(self, kind: str, width: int, row: dict[int, float], batch: int) -> float:
         """A live-only shape: between measured batches linear; outside them the nearest measured cost
@@ -259,14 +214,6 @@ class StepCosts:
     def measured(self) -> dict[tuple[str, int, int], float]:
         """Every measured shape: (kind, batch, width) -> seconds."""
         return {(k, b, w): s for (k, w), row in self._table.items() for b, s in row.items()}
-
-
-def _residual(residuals: dict[int, float] | None, batch: int) -> float:
-    if not residuals:
-        return 0.0
-    if batch in residuals:
-        return residuals[batch]
-    return _interpolate(residuals, batch, affine=True)
 
 
 def robust_mean(samples: Iterable[tuple[float, float]]) -> float:
