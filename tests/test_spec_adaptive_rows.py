@@ -142,9 +142,9 @@ def test_large_batch_of_alike_requests_holds_a_short_chain(seed):
 @pytest.mark.xfail(
     reason="issue 9: a chat request's deep rates are shrunk to the pool's, which the copying requests "
     "that reach deep positions set; the policy returns to the 8-chain (acceptance.py, not fixed here)",
-    strict=False,
+    strict=True,  # a fix makes it pass, and then the mark must go
 )
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # seed 1's path happens to pass: it tells nothing either way
 def test_large_batch_of_mixed_requests_holds_a_short_chain(seed):
     """64 requests, one in 8 copying: the 8-chain makes the most tokens a verify (~1.97 against the
     2-chain's ~1.50) but its 9 rows over real contexts cost more than they bring (2.77 ms a loop step
