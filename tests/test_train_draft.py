@@ -10,6 +10,7 @@ import json
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 from head_reference import reference_step_logits
@@ -23,7 +24,7 @@ from specserve.model.loader import load_model
 from specserve.serve.config import ServeConfig
 from specserve.train.attention import CausalContext, UnrollContext
 from specserve.train.checkpoint import export_head
-from specserve.train.data import GenerationSettings, generate_responses, load_samples
+from specserve.train.data import GenerationSettings, cut_loops, generate_responses, load_samples
 from specserve.train.dataset import Batch, epoch_batches, make_batch
 from specserve.train.evaluate import measure_acceptance
 from specserve.train.trainer import TrainConfig, compile_head, new_head, train_head
@@ -62,6 +63,23 @@ def data(target, tmp_path_factory):
         prompt = prompts[int(again.prompt_index[i])]
         assert again.sample(i)[: len(prompt)].tolist() == prompt and again.prompt_lens[i] == len(prompt)
     return prompts, samples
+
+
+def test_answers_stop_where_training_would_cut_their_loop(target, data, tmp_path):
+    """`--stop-loops N`: an answer ends N tokens into its first loop, so the data phase keeps exactly
+    what `cut_loops(N)` keeps of the whole answer, without generating the rest."""
+    prompts, full = data
+    llm = LLM(target, device="cpu", dtype="float32", max_running_requests=128)
+    settings = GenerationSettings(max_new_tokens=40, batch=128, stop_loops=4)
+    stopped = generate_responses(llm, prompts, tmp_path / "r.npz", settings, log=lambda _: None)
+    cut = cut_loops(full, 4)
+    by_prompt = {int(p): i for i, p in enumerate(cut.prompt_index)}
+    assert sorted(stopped.prompt_index.tolist()) == list(range(len(prompts)))
+    for i, p in enumerate(stopped.prompt_index.tolist()):
+        assert stopped.sample(i).tolist() == cut.sample(by_prompt[p]).tolist()
+    looped = int((cut.lengths < full.lengths[np.argsort(full.prompt_index)][cut.prompt_index]).sum())
+    assert looped > len(prompts) // 4  # the tiny target loops often: most answers were stopped early
+    assert stopped.lengths.sum() == cut.lengths.sum() < full.lengths.sum()
 
 
 def test_new_requests_join_in_waves(target, tmp_path):

@@ -221,6 +221,11 @@ class Engine:
             "num_retracted": self.scheduler.num_retracted,
         }
 
+    def output_ids(self, request_id: str) -> list[int] | None:
+        """A running or waiting request's output token ids so far (None: unknown or finished)."""
+        req = self._requests.get(request_id)
+        return None if req is None or req.finished else req.output_ids
+
     def is_active(self, request_id: str) -> bool:
         """Whether a request is waiting or running (known and not finished)."""
         return request_id in self._requests

@@ -64,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
     data.add_argument("--gen-batch", type=int, default=64, help="requests decoded together")
     data.add_argument(
+        "--stop-loops",
+        type=int,
+        default=16,
+        metavar="N",
+        help="end an answer N tokens into its first loop (a recurring N-gram), where --cut-loops N "
+        "cuts it anyway; 0 generates to --max-new-tokens",
+    )
+    data.add_argument(
         "--max-prompt-chars", type=int, default=2000, help="longest user turn (sharegpt-turns: longest turn)"
     )
     data.add_argument(
@@ -270,6 +278,7 @@ def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         temperature=args.gen_temperature,
         max_prompt_tokens=args.max_prompt_tokens,
         batch=args.gen_batch,
+        stop_loops=args.stop_loops,
     )
     worker, workers = _shard(args.shard)
     paths = _responses_paths(args, out)

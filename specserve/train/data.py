@@ -24,6 +24,7 @@ import numpy as np
 from specserve.types import SamplingParams
 
 RESPONSES = "responses.npz"
+LOOP_CHECK_STEPS = 16  # engine steps between looks for answers that have started looping
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,10 @@ class GenerationSettings:
     # step of a large batch an eager one (28 ms a step at batch 256 on an H100, against ~3).
     wave: int = 0
     save_seconds: float = 30.0
+    # End an answer this many tokens into its first loop (what `cut_loops` keeps of it): 0 never. Two
+    # thirds of a small target's greedy answer tokens are loops run to the token limit, which
+    # training cuts anyway; generating them took two thirds of the data phase.
+    stop_loops: int = 0
 
 
 def generate_responses(
@@ -279,12 +284,37 @@ def generate_responses(
         for out in engine.step():
             i = in_flight.pop(out.request_id, None) if out.finished else None
             if i is not None and out.finish_reason != "abort":
-                new.append((list(prompts[i]) + list(out.token_ids), len(prompts[i]), i))
+                answer = list(out.token_ids)
+                end = _loop_end(answer, settings.stop_loops) if settings.stop_loops else None
+                new.append((list(prompts[i]) + answer[:end], len(prompts[i]), i))
+        if settings.stop_loops and pace.steps % LOOP_CHECK_STEPS == 0:
+            new += _stop_loops(engine, in_flight, prompts, settings.stop_loops)
         if time.monotonic() - saved >= settings.save_seconds:
             samples, new, saved = _save(samples, new, path, began, log, pace), [], time.monotonic()
     while engine.has_unfinished():  # the aborted requests' last outputs
         engine.step()
     return _save(samples, new, path, began, log, pace)
+
+
+def _stop_loops(engine, in_flight: dict[str, int], prompts, ngram: int) -> list[tuple[list[int], int, int]]:
+    """Requests whose answer has run `ngram` tokens into its first loop: aborted, and their answers
+    so far, cut as `cut_loops` would cut them, returned as samples (out of `in_flight`). Answers that
+    end by themselves get the same cut where they are collected."""
+    done = []
+    for request_id, i in list(in_flight.items()):
+        answer = engine.output_ids(request_id)
+        end = None if answer is None else _loop_end(answer, ngram)
+        if end is not None and len(answer) >= end:
+            engine.abort(request_id)
+            del in_flight[request_id]
+            done.append((list(prompts[i]) + answer[:end], len(prompts[i]), i))
+    return done
+
+
+def _loop_end(answer: list[int], ngram: int) -> int | None:
+    """Where `cut_loops` ends an answer: `ngram` tokens into its first loop (None: no loop yet)."""
+    loop = _loop_start(np.asarray(answer, dtype=np.int64), ngram)
+    return None if loop is None else loop + ngram
 
 
 def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
