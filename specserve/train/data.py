@@ -115,10 +115,9 @@ def cut_loops(samples: Samples, ngram: int) -> Samples:
         return samples
     lengths = samples.lengths.copy()
     for i, (start, prompt) in enumerate(zip(samples.starts, samples.prompt_lens, strict=True)):
-        answer = samples.tokens[start + prompt : start + lengths[i]]
-        loop = _loop_start(answer, ngram)
-        if loop is not None:
-            lengths[i] = min(lengths[i], prompt + loop + ngram)
+        end = _loop_end(samples.tokens[start + prompt : start + lengths[i]], ngram)
+        if end is not None:
+            lengths[i] = min(lengths[i], prompt + end)
     keep = np.zeros(len(samples.tokens), dtype=bool)
     for start, length in zip(samples.starts, lengths, strict=True):
         keep[start : start + length] = True
@@ -311,7 +310,7 @@ def _stop_loops(engine, in_flight: dict[str, int], prompts, ngram: int) -> list[
     return done
 
 
-def _loop_end(answer: list[int], ngram: int) -> int | None:
+def _loop_end(answer: Sequence[int] | np.ndarray, ngram: int) -> int | None:
     """Where `cut_loops` ends an answer: `ngram` tokens into its first loop (None: no loop yet)."""
     loop = _loop_start(np.asarray(answer, dtype=np.int64), ngram)
     return None if loop is None else loop + ngram
