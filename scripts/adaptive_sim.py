@@ -15,7 +15,8 @@ Acceptance is n-gram-like, bimodal (a short or a long match, or none), per reque
 fitted to the H100's accept lengths, `ACCEPT`). `--run` picks the H100 run that clocks the steps
 (`sixth`, the default: the sixth session's run, whose cost tables were 1.5-3x off; `latest`: the
 fifth session's run after its cost-model fix; `first`: the one before, whose plain rows ran steadier;
-`twelfth`: chain tiers in the device loop, `LOOP_PROFILE`, as the engine runs n-gram chains since the
+`twelfth`, issue 9's twelfth H100 run (the eleventh session's first, docs/benchmarks.md): chain tiers
+in the device loop, `LOOP_PROFILE`, as the engine runs n-gram chains since the
 eighth session: a run of `LOOP_RUN` verifies an engine step, its step time fed back as
 `Engine._observe_loop` does).
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
@@ -253,8 +254,8 @@ TEXT = {
 # of one class, which fixes its conditional acceptance per draft position (past the list: its last
 # rate): a lookup gets its first drafts right one after another at those rates, and half the lookups
 # that get none right find nothing. "copy" (code edits, summaries: a match runs on) is shared; "chat"
-# is per workload. Fitted, with copy:0.125 on MT-Bench and copy:0.25 on mixed, to the thirteenth H100
-# run's static accept lengths at batch 64 (notes run13: MT-Bench 1.34 / 1.49 / 1.63 / 1.72, mixed
+# is per workload. Fitted, with copy:0.125 on MT-Bench and copy:0.25 on mixed, to the next H100
+# run's static accept lengths at batch 64 (commit bff99f6, docs/benchmarks.md eleventh session: MT-Bench 1.34 / 1.49 / 1.63 / 1.72, mixed
 # 1.43 / 1.65 / 1.86 / 2.04 for chains 1 / 2 / 4 / 8; the sim's: 1.33 / 1.49 / 1.64 / 1.70 and
 # 1.43 / 1.65 / 1.87 / 2.00): a chat request's deep rates (0.45-0.5) lie below the copying ones' (0.9),
 # which reach the deep positions and so set the pool's there.
@@ -481,7 +482,7 @@ def run(
         if clock.loop and not tier.off and (static is not None or not adaptive.probing):
             resumed = looped == (tier, n)
             ms, got, acc = loop_run(adaptive, clock, reqs, made, tier, resumed and static is None, jitter)
-            ms += settle_ms(inflight) + (0.0 if resumed else FRESH_MS)
+            ms += inflight + (0.0 if resumed else FRESH_MS)  # the plain step in flight settles first
             verifies, accepted_drafts = verifies + got, accepted_drafts + acc
             inflight, looped = 0.0, (tier, n)
             total += sum(r.num_output - made[r.request_id] for r in reqs)
@@ -549,11 +550,6 @@ def run(
 
 
 FRESH_MS = 0.3  # a loop run not queued behind one: the host's turn between runs (launch, settle)
-
-
-def settle_ms(inflight: float) -> float:
-    """The plain step still in flight, settled before a speculative step."""
-    return inflight
 
 
 def loop_run(

@@ -1,8 +1,8 @@
 """Device-loop steps priced by their rows: what a loop step costs beyond its profile is per query row.
 
 The start-up profile times a loop step over rows of one token; a live one attends over the requests'
-real contexts, a cost per query row that grows with the batch. Issue 9's twelfth H100 run (MT-Bench,
-batch 64): the 2-chain's loop steps cost ~3.2 ms a verify and the 8-chain's ~4.4, while the policy,
+real contexts, a cost per query row that grows with the batch. Issue 9's H100 run of the eleventh
+session (docs/benchmarks.md; MT-Bench, batch 64): the 2-chain's loop steps cost ~3.2 ms a verify and the 8-chain's ~4.4, while the policy,
 adding the same residual to every width, priced them 2.48 and 2.70 ms and held the 8-chain, 0.72x the
 2-chain. Here a model of the engine's loop (as `scripts/adaptive_sim.py`'s) with requests of
 differing acceptance: at batch 64 the deep chain's extra rows cost more than its extra tokens, at

@@ -29,8 +29,8 @@ its profile is the attention over the requests' real contexts (the profile's row
 paid per query row. Such a gap is kept per row (the gap over the width) and priced by the width, so a
 loop tier measured live prices the deeper ones by their rows: as one residual per batch, the gap the
 2-chain's loop steps measured at batch 64 was added to the 8-chain's as it was, which priced the
-8-chain's steps at 1.09x the 2-chain's where they cost ~1.39x (issue 9, twelfth H100 run), and the
-policy held the 8-chain.
+8-chain's steps at 1.09x the 2-chain's where they cost ~1.39x, and the policy held the 8-chain
+(issue 9; docs/benchmarks.md, eleventh session).
 
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
 shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
