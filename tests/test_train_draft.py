@@ -18,7 +18,14 @@ from head_reference import reference_step_logits
 from specserve import LLM, SamplingParams, default_drafter
 from specserve.cli import main
 from specserve.config import SpeculativeConfig
-from specserve.model.head_checkpoint import ROW_SCALE, dequantize_rows, load_head, random_head, save_head
+from specserve.model.head_checkpoint import (
+    ROW_SCALE,
+    default_aux_layers,
+    dequantize_rows,
+    load_head,
+    random_head,
+    save_head,
+)
 from specserve.model.hf_loader import load_safetensors_folder
 from specserve.model.loader import load_model
 from specserve.serve.config import ServeConfig
@@ -419,6 +426,36 @@ def test_a_wider_mlp_starts_from_a_trained_head_drafting_the_same(target, data, 
     train_head(target, samples, dataclasses.replace(wide, max_steps=1), tmp_path / "trained", **quiet)
     trained = load_head(tmp_path / "trained", "eagle3", target.model, CPU, torch.float32)
     assert trained.step_modules[0].midlayer.mlp.down_proj.weight[:, width:].abs().sum() > 0
+
+
+def test_more_fused_layers_start_from_a_trained_head_drafting_the_same(target, data, tmp_path):
+    """`--init-from` with `--aux-layers` that start with the trained head's: the fc keeps its fused
+    layers' blocks of columns and the added layer's block starts at 0, so the head computes what it
+    did on any features; one step gives the added layer a say; dropping a fused layer is refused."""
+    _, samples = data
+    shape = dict(method="eagle3", steps=2, tokens_per_batch=512, warmup_steps=1, save_dtype="float32")
+    quiet = dict(progress_bar=False, log=lambda _: None)
+    train_head(target, samples, TrainConfig(**shape, max_steps=2), tmp_path / "first", **quiet)
+    old = default_aux_layers(target.arch.num_layers)
+    added = target.arch.num_layers - 1
+    aux = (*old, added)
+    more = TrainConfig(**shape, max_steps=0, aux_layers=aux, init_from=str(tmp_path / "first"))
+    train_head(target, samples, more, tmp_path / "more", **quiet)
+    heads = [load_head(tmp_path / n, "eagle3", target.model, CPU, torch.float32) for n in ("first", "more")]
+    assert heads[1].spec.aux_layers == aux
+    hidden = target.arch.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    streams = torch.randn(4, len(aux) * hidden, generator=gen)
+    fcs = [h.step_modules[0].fc for h in heads]
+    assert torch.allclose(fcs[0](streams[:, : len(old) * hidden]), fcs[1](streams), atol=1e-6)
+    block = len(old)
+    assert not fcs[1].weight[:, block * hidden : (block + 1) * hidden].any()
+    train_head(target, samples, dataclasses.replace(more, max_steps=1), tmp_path / "trained", **quiet)
+    trained = load_head(tmp_path / "trained", "eagle3", target.model, CPU, torch.float32)
+    assert trained.step_modules[0].fc.weight[:, block * hidden : (block + 1) * hidden].abs().sum() > 0
+    fewer = dataclasses.replace(more, aux_layers=old[1:])
+    with pytest.raises(ValueError, match="--aux-layers must start with them"):
+        train_head(target, samples, fewer, tmp_path / "fewer", **quiet)
 
 
 def test_an_int8_export_stores_half_the_bytes_and_loads_close_to_bf16(target, data, tmp_path):

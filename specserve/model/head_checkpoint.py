@@ -284,10 +284,12 @@ def new_head_spec(
     layers_per_module: int = 1,
     draft_vocab_size: int | None = None,
     intermediate_size: int | None = None,
+    aux_layers: tuple[int, ...] | None = None,
 ) -> HeadSpec:
     """The shape of a new head that fits `target`: its decoder layers are the target's (MLP width
     `intermediate_size` when given); a `draft_vocab_size` below the target's gives it its own
-    reduced lm_head (EAGLE-3), otherwise it shares the target's."""
+    reduced lm_head (EAGLE-3), otherwise it shares the target's. An EAGLE-3 head fuses the residual
+    streams of `aux_layers` (default: EAGLE-3's low, middle and high layers)."""
     if method not in HEAD_METHODS:
         raise ValueError(f"method: {method!r} is not a draft head (one of {list(HEAD_METHODS)})")
     reduced = draft_vocab_size is not None and draft_vocab_size < target.vocab_size
@@ -302,10 +304,22 @@ def new_head_spec(
         num_modules=num_modules if method == "mtp" else 1,
         layers_per_module=layers_per_module if method == "eagle" else 1,
         draft_vocab_size=draft_vocab_size if reduced else None,
-        aux_layers=default_aux_layers(target.num_layers) if method == "eagle3" else (),
+        aux_layers=_aux_layers(method, target, aux_layers),
         fc_bias=method == "eagle",
         own_lm_head=reduced,
     )
+
+
+def _aux_layers(method: str, target: ModelArch, chosen: tuple[int, ...] | None) -> tuple[int, ...]:
+    if method != "eagle3":
+        if chosen:
+            raise ValueError("aux_layers: only EAGLE-3 heads fuse target layers")
+        return ()
+    if chosen is None:
+        return default_aux_layers(target.num_layers)
+    if not chosen or not all(0 <= i < target.num_layers for i in chosen):
+        raise ValueError(f"aux_layers: {chosen} must be layer ids in 0..{target.num_layers - 1}")
+    return tuple(chosen)
 
 
 def random_head(

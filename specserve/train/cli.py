@@ -118,6 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--layers", type=int, default=1, help="eagle: decoder layers of the head")
     train.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width")
     train.add_argument(
+        "--aux-layers",
+        type=_layer_ids,
+        default=None,
+        metavar="I,J,K",
+        help="eagle3: the target layers whose residual streams the head fuses (default: EAGLE-3's low, "
+        "middle and high layers); with --init-from, a superset of the trained head's",
+    )
+    train.add_argument(
         "--draft-vocab", type=int, default=None, help="eagle3: a reduced vocabulary of this many ids"
     )
     train.add_argument("--checkpoint-every", type=int, default=200, help="snapshot every N steps")
@@ -237,6 +245,13 @@ def _shard(text: str) -> tuple[int, int]:
     return w, n
 
 
+def _layer_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer ids") from None
+
+
 def _chat_prompts(loaded, prompts: list) -> list[list[int]]:
     from specserve.model.tokenizer import chat_prompts_ids
     from specserve.train.turns import prompt_messages
@@ -321,6 +336,7 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         num_modules=args.num_modules if args.method == "mtp" else 1,
         layers_per_module=args.layers if args.method == "eagle" else 1,
         intermediate_size=args.intermediate_size,
+        aux_layers=args.aux_layers if args.method == "eagle3" else None,
         draft_vocab=args.draft_vocab if args.method == "eagle3" else None,
         steps=args.unroll,
         decay=args.loss_decay,

@@ -58,6 +58,7 @@ class TrainConfig:
     seed: int = 0
     compile: bool = False  # torch.compile the head's step modules (`compile_head`)
     init_from: str | None = None  # a head folder of the same shape to start from (not a resume)
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3: the target layers fused (None: the default three)
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_minutes is None:
@@ -85,6 +86,7 @@ def new_head(loaded: LoadedModel, cfg: TrainConfig, device: torch.device) -> Dra
         layers_per_module=cfg.layers_per_module,
         draft_vocab_size=cfg.draft_vocab,
         intermediate_size=cfg.intermediate_size,
+        aux_layers=cfg.aux_layers,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -214,7 +216,9 @@ def _initialise_from(
     from specserve.model.head_checkpoint import load_head
 
     trained = load_head(cfg.init_from, cfg.method, loaded.model, device, torch.float32)
-    mine, theirs = head.state_dict(), _widened(trained.state_dict(), head.state_dict())
+    mine = head.state_dict()
+    theirs = _widened(trained.state_dict(), mine)
+    theirs = _refeatured(theirs, trained.spec.aux_layers, head.spec.aux_layers, cfg.init_from)
     wrong = sorted(n for n in mine if n not in theirs or theirs[n].shape != mine[n].shape)
     if wrong or set(theirs) - set(mine):
         raise ValueError(
@@ -244,6 +248,24 @@ def _widened(theirs: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> 
         elif name.endswith("mlp.down_proj.weight") and _grows(old.shape, new.shape):
             out[name] = torch.cat([old, old.new_zeros(old.shape[0], new.shape[1] - old.shape[1])], dim=1)
     return out
+
+
+def _refeatured(
+    theirs: dict[str, torch.Tensor], old: tuple[int, ...], new: tuple[int, ...], source: str
+) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head's fc moved onto more target layers without changing what it computes: the
+    layers it fused keep their blocks of input columns, the added layers' blocks start at 0 (and
+    learn from the first step, as `_widened`'s new units do)."""
+    if old == new:
+        return theirs
+    if new[: len(old)] != old:
+        raise ValueError(
+            f"train: --init-from {source}: fuses layers {old}; --aux-layers must start with them"
+        )
+    name = next(n for n in theirs if n.endswith(".fc.weight"))
+    fc = theirs[name]
+    added = fc.new_zeros(fc.shape[0], fc.shape[1] // len(old) * (len(new) - len(old)))
+    return {**theirs, name: torch.cat([fc, added], dim=1)}
 
 
 def _grows(old: torch.Size, new: torch.Size) -> bool:
