@@ -7,7 +7,9 @@
 # Carry (the machine cannot pull data sets): .whl/ (as for gpu_check.sh), .devcarry/question.jsonl
 # (MT-Bench) and the mixed prompts file, written here beforehand:
 #   python -P -m specserve.bench_data mixed .devcarry/mixed.jsonl.gz
-# Environment: BATCHES (default 1,4,16,64), NEW_TOKENS (256), REPEATS (3), DATASETS ("mt-bench
+# Environment: BATCHES (default 1,4,16,64), NEW_TOKENS (256), REPEATS (3), MIN_BATCHES (4: each
+# batch size runs at least 4 batches back to back, so batch 64 is timed over seconds, not half of
+# one, and the policy's moves after the batch size changed weigh less), DATASETS ("mt-bench
 # mixed"), STATIC ("ngram:1 ngram:2 ngram:4 ngram:8"), ADAPTIVE ("ngram:adaptive-8"), BENCH_ARGS
 # (more flags, e.g. "--spec eagle3:5:HEAD --spec eagle3:adaptive-5:HEAD").
 set -uo pipefail
@@ -21,7 +23,8 @@ for dataset in ${DATASETS:-mt-bench mixed}; do
   data=$dataset
   [ "$dataset" = mixed ] && data=.devcarry/mixed.jsonl.gz
   python3 -P -m specserve.cli bench offline --dataset "$data" --batch-sizes "${BATCHES:-1,4,16,64}" \
-    --max-new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" "${specs[@]}" ${BENCH_ARGS:-} \
+    --max-new-tokens "${NEW_TOKENS:-256}" --repeats "${REPEATS:-3}" --min-batches "${MIN_BATCHES:-4}" \
+    "${specs[@]}" ${BENCH_ARGS:-} \
     --out "$OUT/adaptive-$dataset.json" 2>&1 | grep -v "it/s" | tee "$OUT/adaptive-$dataset.log"
 done
 python3 -P scripts/adaptive_targets.py "$OUT"/adaptive-*.json 2>&1 | tee "$OUT/adaptive-targets.log"

@@ -118,6 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of B prompts back to back (so batch 1 is a mean over N prompts, not one prompt's text); "
         "HF generate runs the first batch only",
     )
+    parser.add_argument(
+        "--min-batches",
+        type=int,
+        default=1,
+        help="batches each batch size runs back to back at least (prompts cycle where the data set is "
+        "shorter): a large batch's run of one batch lasts a fraction of a second, so its figure is "
+        "noisy and an adaptive policy's moves after the batch size changed weigh in it",
+    )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
     parser.add_argument("--plot", default=None, help="where to write the PNG (default: --out with .png)")
 
@@ -152,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if not fitting:
         print(f"specserve bench: error: no {args.dataset} prompt fits {room} tokens", file=sys.stderr)
         return 2
-    prompts = cycle(fitting, max(max(batch_sizes), args.min_prompts))
-    pool = args.max_total_tokens or _pool_tokens(prompts, args, max(map(draft_slots, specs)))
+    prompts = cycle(fitting, max(b * _batch_count(b, args) for b in batch_sizes))
+    pool = args.max_total_tokens or _pool_tokens(prompts, args, max(map(draft_slots, specs)), max(batch_sizes))
     engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
     plain = engines[PLAIN]
     hf = _load_hf(plain) if args.peer == "hf" else None
@@ -168,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     rows: list[BenchRow] = []
     for b in batch_sizes:
-        batches = [prompts[i : i + b] for i in range(0, b * -(-args.min_prompts // b), b)]
+        batches = [prompts[i : i + b] for i in range(0, b * _batch_count(b, args), b)]
         batch = batches[0]
         for name, engine in engines.items():
             runs = [_time_engine(engine, batches, args.max_new_tokens) for _ in range(args.repeats)]
@@ -235,12 +243,12 @@ def _prompt_lookup_tokens(specs: list[dict | None], default: int) -> int:
     return next((s["num_steps"] for s in specs if s and s["method"] == "ngram"), default)
 
 
-def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, slots: int) -> int:
+def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, slots: int, batch: int) -> int:
     """KV slots for the largest batch with every request at full length (draft slots and page
     rounding included): engines share the GPU, so none may size its pool from free memory and
     starve the next."""
     longest = max(len(p) for p in prompts)
-    return len(prompts) * (longest + args.max_new_tokens + slots + 1 + 2 * args.page_size)
+    return batch * (longest + args.max_new_tokens + slots + 1 + 2 * args.page_size)
 
 
 def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batch: int, pool: int):
@@ -279,6 +287,10 @@ def _row(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _batch_count(batch_size: int, args: argparse.Namespace) -> int:
+    return max(-(-args.min_prompts // batch_size), args.min_batches)
 
 
 def _time_engine(

@@ -90,7 +90,7 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--max-new-tokens", "4"]
     argv += ["--device", "cpu", "--hf", "--spec", "ngram:3", "--spec", "ngram:3x2x4", "--out", str(out)]
-    argv += ["--spec", "ngram:adaptive-3", "--min-prompts", "2"]
+    argv += ["--spec", "ngram:adaptive-3", "--min-prompts", "2", "--min-batches", "2"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["attention_backend"] == "torch"  # auto on the CPU
@@ -113,8 +113,9 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
         ("hf-generate-prompt-lookup", 1),
     }
     assert all(r["tokens_per_s"] > 0 and r["new_tokens"] == 4 for r in rows.values())
-    # batch 1 covers two prompts (--min-prompts 2): two batches back to back; HF runs the first only
-    assert rows[("specserve", 1)]["batches"] == 2 and rows[("specserve-ngram-3", 3)]["batches"] == 1
+    # batch 1 covers two prompts (--min-prompts 2), batch 3 runs twice (--min-batches 2): batches back
+    # to back; HF runs the first only
+    assert rows[("specserve", 1)]["batches"] == 2 and rows[("specserve-ngram-3", 3)]["batches"] == 2
     assert rows[("hf-generate", 1)]["batches"] == 1
     assert rows[("specserve-ngram-3", 3)]["accept_length"] >= 1
     # accepted drafts + 1 per verify step: never past the chain's 3 + 1, plain steps' tokens aside
