@@ -161,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"specserve bench: error: no {args.dataset} prompt fits {room} tokens", file=sys.stderr)
         return 2
     prompts = cycle(fitting, max(b * _batch_count(b, args) for b in batch_sizes))
-    pool = args.max_total_tokens or _pool_tokens(prompts, args, max(map(draft_slots, specs)), max(batch_sizes))
+    pool = args.max_total_tokens or _pool_tokens(
+        prompts, args, max(map(draft_slots, specs)), max(batch_sizes)
+    )
     engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
     plain = engines[PLAIN]
     hf = _load_hf(plain) if args.peer == "hf" else None
