@@ -23,7 +23,7 @@ def test_expected_tokens_counts_the_bonus_and_each_surviving_draft():
 
 
 def test_tracker_learns_per_position_and_per_request():
-    t = AcceptanceTracker(4, request_alpha=0.5, pooled_alpha=0.5, prior=0.5, strength=1.0, strata=())
+    t = AcceptanceTracker(4, request_alpha=0.5, pooled_alpha=0.5, prior=0.5, strength=1.0)
     t.observe("a", 1, drafted=4, accepted=1)  # position 1 accepted, 2 rejected, 3-4 untested
     pooled, own = t.pooled(1), t.rates("a", 1)
     assert pooled[0] == pytest.approx(0.75) and pooled[1] == pytest.approx(0.375)

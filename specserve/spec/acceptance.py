@@ -23,15 +23,6 @@ positions just past the standing draft length are scored by it too (`rates_of`'s
 of 1 never tests position 2, so that evidence only fades, and its mean, back at a prior that knows
 nothing of the drafter, kept the H100's batch-1 EAGLE-3 runs on the 1-chain for 16 of 21 steps
 (pooled tests of positions 2-4: 2.8, 2.2, 1.1) where the 3- and 4-chains made more.
-
-A request's deep positions rest on a pool of requests like it (`strata`): mostly the prior's. Deep
-positions are tested only after the ones before them were accepted, so one pool over the batch learns
-its deep rates from the requests that reach them: those that copy (an n-gram match running on). A
-chat request, whose own deep tests are few, then took their 0.9 for its 0.4-0.5 and the policy
-expected long chains to pay where they did not (issue 9: at batch 16 and 64 on MT-Bench it expected
-1.95 tokens a verify of the 8-chain, which made 1.72). So requests are grouped by their own first
-position's rate, the one every verify tests: each group's pool learns from its members only, and
-each request's prior is its group's rates (the group's own prior being the pool's over all).
 """
 
 from __future__ import annotations
@@ -62,16 +53,11 @@ class AcceptanceTracker:
         pooled_alpha: float = 0.02,
         prior: float = 0.7,
         strength: float = 2.0,
-        strata: Sequence[float] = (0.55,),
     ) -> None:
         self.max_positions = max_positions
         self.request_alpha, self.pooled_alpha = request_alpha, pooled_alpha
         self.prior, self.strength = prior, strength
-        # Bounds on a request's own first-position rate between its groups (module docstring);
-        # () pools every request together.
-        self.strata = tuple(sorted(strata))
         self._pooled: dict[int, _Counts] = {}
-        self._grouped: dict[tuple[int, int], _Counts] = {}  # (topk, group) -> that group's pool
         self._requests: dict[tuple[str, int], _Counts] = {}
         self._fades: dict[int, float] = {}  # batch -> the pool's fade per verify
         self.version = 0  # counts verifies' observations: estimates read since are current when unchanged
@@ -100,15 +86,10 @@ class AcceptanceTracker:
         else:
             self.version += 1
         key = (request_id, topk)
-        own = self._requests.get(key)
-        if own is None:
-            own = self._requests[key] = _Counts(self.max_positions)
-        fade = self._pool_fade(batch)
-        if self.strata:
-            first = self._pool(topk).rate(0, self.prior, self.strength)
-            self._group_pool(topk, self._group(own, first)).add(tested, accepted, fade)
-        own.add(tested, accepted, self.request_alpha)
-        self._pool(topk).add(tested, accepted, fade)
+        if key not in self._requests:
+            self._requests[key] = _Counts(self.max_positions)
+        self._requests[key].add(tested, accepted, self.request_alpha)
+        self._pool(topk).add(tested, accepted, self._pool_fade(batch))
 
     def _pool_fade(self, batch: int) -> float:
         """Per verify of a step of `batch`: the pool fades by `pooled_alpha` over the whole step."""
@@ -121,10 +102,7 @@ class AcceptanceTracker:
 
     def pooled(self, topk: int) -> list[float]:
         """The pooled per-position rates at `topk`."""
-        return self._rates(self._pool(topk))
-
-    def _rates(self, pool: _Counts) -> list[float]:
-        """A pool's per-position rates (a position's prior: the one before it or the configured one)."""
+        pool = self._pool(topk)
         out, rate = [], self.prior
         for i in range(self.max_positions):
             rate = pool.rate(i, max(rate, self.prior), self.strength)
@@ -136,19 +114,13 @@ class AcceptanceTracker:
         evidence being the position's faded test count plus the prior's strength (0.5: the largest
         standard deviation of one outcome). `span`: (start, stop), the 0-based positions bounded so;
         the others keep their mean rate (what `rates_of`'s `explore` scores by)."""
-        return self._upper(self._pool(topk), span if span is not None else (0, self.max_positions), z)
-
-    def _upper(self, pool: _Counts, span: tuple[int, int] | None, z: float) -> list[float]:
-        """`pooled_upper` of one pool (its mean rates where `span` is None)."""
-        rates = self._rates(pool)
-        if span is None:
-            return rates
-        start, stop = span
+        pool = self._pool(topk)
+        start, stop = span if span is not None else (0, self.max_positions)
         return [
             min(1.0, rate + z * 0.5 / math.sqrt(pool.tested[i] + self.strength))
             if start <= i < stop
             else rate
-            for i, rate in enumerate(rates)
+            for i, rate in enumerate(self.pooled(topk))
         ]
 
     def pooled_tested(self, topk: int) -> list[float]:
@@ -170,42 +142,22 @@ class AcceptanceTracker:
         0-based positions that start from the pool's upper bound (`pooled_upper`, `z`) instead of its
         mean: positions the standing draft length never tests, whose evidence only fades (module
         docstring)."""
-        pooled_first = self.pooled(topk)[0]
+        pooled = self.pooled(topk) if explore is None else self.pooled_upper(topk, z, explore)
         strength = self.strength
-        groups: dict[int, list[float]] = {}  # group -> strength * its rates
+        prior = [strength * p for p in pooled]
         requests = self._requests
         out = {}
         for request_id in request_ids:
             own = requests.get((request_id, topk))
-            group = self._group(own, pooled_first)
-            if group not in groups:
-                groups[group] = [strength * r for r in self._upper(self._group_pool(topk, group), explore, z)]
-            prior = groups[group]
             # `_Counts.rate` inlined (the same arithmetic): a batch's rates are read every rescoring
             out[request_id] = (
-                [w / strength for w in prior]
+                pooled
                 if own is None
                 else [
                     (a + w) / (t + strength) for a, t, w in zip(own.accepted, own.tested, prior, strict=True)
                 ]
             )
         return out
-
-    def _group(self, own: _Counts | None, pooled_first: float) -> int:
-        """The group of a request whose own evidence is `own`: where its first position's rate (the
-        whole pool's `pooled_first` its prior) falls among the `strata` bounds."""
-        if not self.strata:
-            return 0
-        first = pooled_first if own is None else own.rate(0, pooled_first, self.strength)
-        return sum(first >= bound for bound in self.strata)
-
-    def _group_pool(self, topk: int, group: int) -> _Counts:
-        if not self.strata:
-            return self._pool(topk)
-        key = (topk, group)
-        if key not in self._grouped:
-            self._grouped[key] = _Counts(self.max_positions)
-        return self._grouped[key]
 
     def forget(self, request_id: str) -> None:
         """A finished request's own estimates (the pooled ones keep what it taught them)."""
