@@ -42,6 +42,24 @@ def test_tracker_learns_per_position_and_per_request():
         t.observe("a", 1, drafted=2, accepted=3)
 
 
+def test_a_runs_verifies_observed_at_once_count_as_one_at_a_time():
+    """`observe_many` (a device-loop run's verifies of a request in one call) leaves every estimate
+    and the version where `observe` one at a time would, and refuses the same bad counts."""
+    rng = random.Random(5)
+    one, many = AcceptanceTracker(8), AcceptanceTracker(8)
+    for _ in range(40):
+        for r in range(6):
+            run = [(d, rng.randint(0, d)) for d in (rng.randint(1, 8) for _i in range(rng.randint(1, 8)))]
+            for drafted, accepted in run:
+                one.observe(f"r{r}", 1, drafted, accepted, 6)
+            many.observe_many(f"r{r}", 1, run, 6)
+    ids = [f"r{r}" for r in range(8)]
+    assert many.rates_of(ids, 1) == one.rates_of(ids, 1) and many.pooled(1) == one.pooled(1)
+    assert many.version == one.version
+    with pytest.raises(ValueError, match="accepted"):
+        many.observe_many("r0", 1, [(2, 1), (2, 3)])
+
+
 def test_evidence_a_draft_length_no_longer_reaches_fades_back_to_the_prior():
     t = AcceptanceTracker(4, prior=0.8)
     t.observe("a", 1, drafted=4, accepted=2)  # one rejection at position 3

@@ -671,20 +671,25 @@ class Engine:
         self, req: Request, result: LoopOutput, index: int, flight: LoopFlight
     ) -> tuple[dict | None, list[int]]:
         delta: list[int] = []
+        verifies: list[tuple[int, int]] = []  # (depth, accepted) of each verify, for the adaptive policy
+        reason = None
         for step in range(flight.steps):
             tokens = result.emitted(step, index)
             if not tokens:
                 break
-            if self.adaptive is not None:  # a lookup that came out short is a miss past its end
-                depth = min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1)
-                self.adaptive.observe_chain(req, depth, len(tokens) - 1, len(flight.reqs))
+            # a lookup that came out short is a miss past its end: the depth is the tier's
+            verifies.append(
+                (min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1), len(tokens) - 1)
+            )
             req.num_computed = len(req.token_ids) + len(tokens) - 1
             self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
             reason, added = self._append(req, tokens, None)
             delta += added
             if reason is not None:
-                return reason, delta
-        return None, delta
+                break
+        if self.adaptive is not None and verifies:
+            self.adaptive.observe_chains(req, verifies, len(flight.reqs))
+        return reason, delta
 
     def _draft_room(self, req: Request) -> int:
         """Drafts a request may take: a step emits up to drafts + 1 tokens, within its limits."""

@@ -78,19 +78,35 @@ class AcceptanceTracker:
         """One verify of `request_id`'s draft of `drafted` tokens (depth, for a tree), `accepted` kept;
         `batch`: the verifies of its step (the pool fades by `pooled_alpha` per step, not per verify).
         `shadow`: a shadow draft scored while speculation is off (counted in `shadow_version`)."""
-        if not 0 <= accepted <= drafted:
-            raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
-        tested = min(drafted, accepted + 1, self.max_positions)
+        self._observe(request_id, topk, ((drafted, accepted),), batch)
         if shadow:
             self.shadow_version += 1
         else:
             self.version += 1
+
+    def observe_many(
+        self, request_id: str, topk: int, verifies: Sequence[tuple[int, int]], batch: int = 1
+    ) -> None:
+        """`observe` of several verifies of one request, (drafted, accepted) each, in order."""
+        self._observe(request_id, topk, verifies, batch)
+        self.version += len(verifies)
+
+    def _observe(self, request_id: str, topk: int, verifies: Sequence[tuple[int, int]], batch: int) -> None:
         own = self._requests.get((request_id, topk))
         if own is None:
             own = self._requests[(request_id, topk)] = _Counts(self.max_positions)
-        own.add(tested, accepted, self.request_alpha)
         pool = self._pooled.get(topk) or self._pool(topk)
-        pool.add(tested, accepted, self._fades.get(batch) or self._pool_fade(batch))
+        alpha, fade, most = (
+            self.request_alpha,
+            self._fades.get(batch) or self._pool_fade(batch),
+            self.max_positions,
+        )
+        for drafted, accepted in verifies:
+            if not 0 <= accepted <= drafted:
+                raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
+            tested = min(drafted, accepted + 1, most)
+            own.add(tested, accepted, alpha)
+            pool.add(tested, accepted, fade)
 
     def _pool_fade(self, batch: int) -> float:
         """Per verify of a step of `batch`: the pool fades by `pooled_alpha` over the whole step."""
