@@ -211,7 +211,8 @@ class AdaptiveSpeculation:
     def observe_chains(self, req: Request, verifies: Sequence[tuple[int, int]], batch: int) -> None:
         """`observe_chain` for each (depth, accepted) of a run's verifies of `req`, in order, in one
         call: at batch 64 a run settles 512 of them an engine step, and a call each was most of the
-        adaptive engine's extra host time there."""
+        adaptive engine's extra settle time there in a CPU profile (docs/benchmarks.md, twelfth
+        session)."""
         kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]
         if kept:
             self.acceptance.observe_many(req.request_id, 1, kept, batch)

@@ -200,10 +200,9 @@ class _Counts:
     """Faded accepted / tested counts per position.
 
     Stored unfaded against one running factor (`_scale`, the product of every fade since the last
-    renormalisation): an observation then touches only the positions it tested, where fading every
-    position of the request and of the pool was most of the adaptive engine's extra host time at
-    batch 64 (512 observations an engine step of 8-verify loop runs; the H100's postprocess phase
-    took 3.7 ms a step against 2.8 for a static chain)."""
+    renormalisation): an observation then touches only the positions it tested instead of fading
+    every position of its request's counts and of the pool's, at batch 64 512 times an engine step
+    of 8-verify loop runs (docs/benchmarks.md, twelfth session)."""
 
     _FLOOR = 1e-150  # renormalise below this factor, far above float underflow
 
