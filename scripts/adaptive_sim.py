@@ -30,7 +30,7 @@ mean ms of the steady and the transition steps the control code saw.
 
     PYTHONPATH=... python -P scripts/adaptive_sim.py [--workload mixed|mt-bench] [--batches 1,4,16,64]
         [--run sixth|latest|first|twelfth] [--prefill-us 1.5] [--transition 0.5] [--first-ms 5] [--jitter 0.15]
-        [--mix copy:0.125]
+        [--mix copy:0.125] [--bursty 0.005:0.035]
 
 `--mix` swaps the text model for a heterogeneous one (`MIX`): every chat class above shares its
 conditional rates past the first position, where on the H100 a few copying requests reach the deep
@@ -38,6 +38,16 @@ positions and set the pooled rates that a chat request, which seldom tests them,
 (`AcceptanceTracker.rates_of` shrinks its own counts to the pool's): issue 9's large-batch bias. With
 `--run twelfth --mix copy:0.125` (MT-Bench; copy:0.25 mixed) the policy holds chains of 1-4 at batch
 16 and 64 (0.96-0.99x the best static), not the deep ones: the bias alone does not make the miss here.
+
+`--bursty IN:OUT` gives every request stretches of copying inside chat instead (a two-state chain over
+its output positions: a chat position turns to copying with probability IN, a copying one back with
+OUT; the rates are `MIX`'s two classes'), as text copies a passage and then goes on in its own words.
+Deep positions are then tested mostly while a request copies: a candidate for the selection that,
+on the H100, left the pooled rates at positions 2-3 far above what the static rows imply (twelfth
+session: 0.65 and 0.84 at batch 16, against about 0.44 and 0.6). It does not reproduce it: with
+0.005:0.035 and 0.002:0.014 on MT-Bench the pooled rates stay within 0.08 of the implied ones at
+batch 16 and 64 (stretches of one request average out over a batch). Each batch prints the static
+rows' implied conditional rates beside the pooled ones.
 """
 
 from __future__ import annotations
@@ -294,6 +304,51 @@ def deal(shares: dict[str, float], count: int) -> list[str]:
     return out
 
 
+def _lookup(rng: random.Random, rates: tuple) -> int | None:
+    """The drafts a lookup gets right one after another at `rates` (past the tuple: its last), None
+    for half of those that get none right (no match found)."""
+    n = 0
+    while n < 16 and rng.random() < rates[min(n, len(rates) - 1)]:
+        n += 1
+    return None if n == 0 and rng.random() < 0.5 else n
+
+
+def parse_bursty(text: str) -> tuple[float, float]:
+    into, _, out_of = text.partition(":")
+    try:
+        pair = float(into), float(out_of)
+    except ValueError:
+        raise SystemExit(f"--bursty: {text!r} is not IN:OUT") from None
+    if not all(0 < p < 1 for p in pair):
+        raise SystemExit("--bursty: both probabilities must lie in (0, 1)")
+    return pair
+
+
+def implied_rates(accepts: dict[str, float]) -> list[float]:
+    """Conditional acceptance per position as the static chains' accept lengths imply it (positions
+    between two chains share one rate: the geometric fit of their gain)."""
+    out, reach, before = [], 1.0, 1.0
+    chains = [c for c in CHAINS if str(c) in accepts]
+    low = 0
+    for c in chains:
+        gain, span = accepts[str(c)] - before, c - low  # sum over positions low+1..c of reach there
+        rate = _fit_rate(reach, gain, span)
+        for _ in range(span):
+            reach *= rate
+            out.append(rate)
+        before, low = accepts[str(c)], c
+    return out
+
+
+def _fit_rate(reach: float, gain: float, span: int) -> float:
+    """The r in [0, 1] with reach * (r + r^2 + ... + r^span) = gain (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        r = (lo + hi) / 2
+        lo, hi = (r, hi) if reach * sum(r**k for k in range(1, span + 1)) < gain else (lo, r)
+    return (lo + hi) / 2
+
+
 def by_batch(row: dict[int, float], batch: int) -> float:
     """`row` linear in batch between its measured sizes (past the last: along its last segment)."""
     sizes = sorted(row)
@@ -315,9 +370,11 @@ class Clock:
         transition: float = 0.5,
         first_ms: float = 5.0,
         mix: dict[str, float] | None = None,
+        bursty: tuple[float, float] | None = None,
     ) -> None:
         self.table, self.text, self.seed, self.jitter = H100[run][workload], TEXT[workload], seed, jitter
         self.mix, self.classes = mix, MIX[workload]  # `--mix`: the heterogeneous text model
+        self.bursty = bursty  # `--bursty`: (chat -> copy, copy -> chat) per output position
         self.prompt, self.prefill_us, self.transition = PROMPT_TOKENS[workload], prefill_us, transition
         self.first_ms = first_ms
         self._seen: set[tuple[int, int, int]] = set()  # (engine, chain, batch) verified before
@@ -369,6 +426,8 @@ class Clock:
         """Request i's text is the same in every run (common random numbers: every system, static or
         adaptive, meets the same matches): per output position, the drafts a lookup there would get
         right, None where it finds nothing (half the lookups without a right draft)."""
+        if self.bursty:
+            return self._bursty_requests(batch, tokens, run)
         if self.mix:
             return self._mixed_requests(batch, tokens, run)
         reqs = []
@@ -400,15 +459,31 @@ class Clock:
             rates = self.classes[name]
             matches: list[int | None] = []
             for _ in range(tokens):
-                n = 0
-                while n < 16 and rng.random() < rates[min(n, len(rates) - 1)]:
-                    n += 1
-                matches.append(None if n == 0 and rng.random() < 0.5 else n)
+                matches.append(_lookup(rng, rates))
             params = SimpleNamespace(max_new_tokens=tokens)
             reqs.append(
                 SimpleNamespace(
                     request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params, text=name
                 )
+            )
+        return reqs
+
+    def _bursty_requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
+        """`requests` under `--bursty`: each output position's drafts at the rates of the state the
+        request is in there (chat or copy), the state a two-state chain along the answer."""
+        assert self.bursty is not None
+        into, out_of = self.bursty
+        reqs = []
+        for i in range(batch):
+            rng = random.Random(f"{self.seed}-bursty-{i}")
+            copying = rng.random() < into / (into + out_of)  # the chain's stationary share
+            matches: list[int | None] = []
+            for _ in range(tokens):
+                copying = rng.random() >= out_of if copying else rng.random() < into
+                matches.append(_lookup(rng, self.classes["copy" if copying else "chat"]))
+            params = SimpleNamespace(max_new_tokens=tokens)
+            reqs.append(
+                SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params)
             )
         return reqs
 
@@ -633,10 +708,25 @@ def main() -> int:
         help="heterogeneous text (`MIX`): each request's class by these shares, the rest chat "
         "(copy:0.125 fits MT-Bench, copy:0.25 mixed); left out, the default text model (`TEXT`)",
     )
+    parser.add_argument(
+        "--bursty",
+        metavar="IN:OUT",
+        help="stretches of copying inside each request: per output position, chat turns to copying "
+        "with probability IN and back with OUT (`MIX`'s two classes' rates)",
+    )
     args = parser.parse_args()
     mix = parse_mix(args.mix, args.workload) if args.mix else None
+    bursty = parse_bursty(args.bursty) if args.bursty else None
     clock = Clock(
-        args.workload, args.seed, args.run, args.jitter, args.prefill_us, args.transition, args.first_ms, mix
+        args.workload,
+        args.seed,
+        args.run,
+        args.jitter,
+        args.prefill_us,
+        args.transition,
+        args.first_ms,
+        mix,
+        bursty,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     statics = (OFF, *(Tier.chain(c) for c in CHAINS))
@@ -689,8 +779,10 @@ def main() -> int:
             print(
                 f"  measured at b{batch}: steady {d['steady_step_ms']}, transitions {d['transition_step_ms']}"
             )
-        if mix:  # what the policy reads (the pool: a request's own counts shrink to it) beside the classes'
+        if mix or bursty:  # what the policy reads (the pool: a request's own counts shrink to it)
             pooled, tested = d["pooled_acceptance"][1], d["pooled_tested"][1]
+            implied = implied_rates({k: v for k, v in accepts.items() if k != "off"})
+            print(f"  implied by the static rows at b{batch}: {' '.join(f'{r:.2f}' for r in implied)}")
             print(
                 f"  pooled acceptance at b{batch}: {' '.join(f'{r:.2f}' for r in pooled)} (tested "
                 + " ".join(f"{t:.0f}" for t in tested)
@@ -698,7 +790,7 @@ def main() -> int:
                 + ", ".join(
                     f"{name} {' '.join(f'{r:.2f}' for r in (*rates, *[rates[-1]] * (8 - len(rates))))}"
                     for name, rates in clock.classes.items()
-                    if name in mix
+                    if bursty or name in mix
                 )
             )
     print("all targets met" if not missed else f"{missed} target(s) missed")
