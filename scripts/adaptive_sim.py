@@ -349,6 +349,14 @@ def _fit_rate(reach: float, gain: float, span: int) -> float:
     return (lo + hi) / 2
 
 
+def _request(run: int, i: int, matches: list[int | None], **more) -> SimpleNamespace:
+    """Request i of a run: its answer as long as `matches`, the drafts a lookup gets right at each
+    output position."""
+    tokens = len(matches)
+    params = SimpleNamespace(max_new_tokens=tokens)
+    return SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params, **more)
+
+
 def by_batch(row: dict[int, float], batch: int) -> float:
     """`row` linear in batch between its measured sizes (past the last: along its last segment)."""
     sizes = sorted(row)
@@ -444,10 +452,7 @@ class Clock:
                     while n < 16 and rng.random() < follow:
                         n += 1
                 matches.append(n)
-            params = SimpleNamespace(max_new_tokens=tokens)
-            reqs.append(
-                SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params)
-            )
+            reqs.append(_request(run, i, matches))
         return reqs
 
     def _mixed_requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
@@ -460,12 +465,7 @@ class Clock:
             matches: list[int | None] = []
             for _ in range(tokens):
                 matches.append(_lookup(rng, rates))
-            params = SimpleNamespace(max_new_tokens=tokens)
-            reqs.append(
-                SimpleNamespace(
-                    request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params, text=name
-                )
-            )
+            reqs.append(_request(run, i, matches, text=name))
         return reqs
 
     def _bursty_requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
@@ -481,10 +481,7 @@ class Clock:
             for _ in range(tokens):
                 copying = rng.random() >= out_of if copying else rng.random() < into
                 matches.append(_lookup(rng, self.classes["copy" if copying else "chat"]))
-            params = SimpleNamespace(max_new_tokens=tokens)
-            reqs.append(
-                SimpleNamespace(request_id=f"run{run}-r{i}", matches=matches, left=tokens, params=params)
-            )
+            reqs.append(_request(run, i, matches))
         return reqs
 
     @staticmethod

@@ -95,12 +95,8 @@ class AcceptanceTracker:
         own = self._requests.get((request_id, topk))
         if own is None:
             own = self._requests[(request_id, topk)] = _Counts(self.max_positions)
-        pool = self._pooled.get(topk) or self._pool(topk)
-        alpha, fade, most = (
-            self.request_alpha,
-            self._fades.get(batch) or self._pool_fade(batch),
-            self.max_positions,
-        )
+        pool, fade = self._pool(topk), self._pool_fade(batch)
+        alpha, most = self.request_alpha, self.max_positions
         for drafted, accepted in verifies:
             if not 0 <= accepted <= drafted:
                 raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
@@ -131,12 +127,10 @@ class AcceptanceTracker:
         evidence being the position's faded test count plus the prior's strength (0.5: the largest
         standard deviation of one outcome). `span`: (start, stop), the 0-based positions bounded so;
         the others keep their mean rate (what `rates_of`'s `explore` scores by)."""
-        pool = self._pool(topk)
+        tested = self._pool(topk).tested  # one unscaled copy (a property: not per position)
         start, stop = span if span is not None else (0, self.max_positions)
         return [
-            min(1.0, rate + z * 0.5 / math.sqrt(pool.tested[i] + self.strength))
-            if start <= i < stop
-            else rate
+            min(1.0, rate + z * 0.5 / math.sqrt(tested[i] + self.strength)) if start <= i < stop else rate
             for i, rate in enumerate(self.pooled(topk))
         ]
 
