@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="I,J,K",
         help="eagle3: the target layers whose residual streams the head fuses (default: EAGLE-3's low, "
-        "middle and high layers); with --init-from, a superset of the trained head's",
+        "middle and high layers); with --init-from, the trained head's first, then more",
     )
     train.add_argument(
         "--draft-vocab", type=int, default=None, help="eagle3: a reduced vocabulary of this many ids"
