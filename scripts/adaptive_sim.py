@@ -635,10 +635,11 @@ def loop_run(
 ) -> tuple[float, int, int]:
     """A device-loop run of `tier` over `reqs`, as `Engine._loop_step` settles it: `LOOP_RUN` verifies
     (a request that reached its end stays in the run, appending nothing), each fed to the estimates
-    (`observe_chain`), the run's step ms to the cost tables when it was queued behind one of its
-    own (`observe_loop`). Its ms, verifies and accepted drafts; each request's `num_output` moves on."""
+    (`observe_chain`), the run's step ms to the cost tables and its tokens to its tier's correction
+    when it was queued behind one of its own (`observe_loop`, `observe_run`). Its ms, verifies and accepted drafts; each request's `num_output` moves on."""
     n, k = len(reqs), tier.num_steps
     verifies = accepted_drafts = 0
+    before = sum(r.num_output for r in reqs)
     for _ in range(LOOP_RUN):
         for req in reqs:
             left = req.params.max_new_tokens - req.num_output
@@ -657,6 +658,7 @@ def loop_run(
         req.num_output = min(req.num_output, req.params.max_new_tokens)
     if resumed:
         adaptive.observe_loop(n, k, step * MS)
+        adaptive.observe_run(n, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS)
     adaptive.idle()
     return LOOP_RUN * step, verifies, accepted_drafts
 
@@ -776,6 +778,8 @@ def main() -> int:
             print(
                 f"  measured at b{batch}: steady {d['steady_step_ms']}, transitions {d['transition_step_ms']}"
             )
+        if d.get("calibration"):
+            print(f"  corrections (measured / predicted tokens, TIER@BATCH): {d['calibration']}")
         if mix or bursty:  # what the policy reads (the pool: a request's own counts shrink to it)
             pooled, tested = d["pooled_acceptance"][1], d["pooled_tested"][1]
             implied = implied_rates({k: v for k, v in accepts.items() if k != "off"})

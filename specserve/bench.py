@@ -405,7 +405,7 @@ def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
     """One line per adaptive run: the policy's step ms per tier beside the mean ms of its steady
     steps (what prices it) and of its transitions (probes, first steps after plain ones; settles
     left out), with their counts; pooled acceptance per position, probes (won), predicted vs
-    measured goodput: why it chose what it did."""
+    measured goodput, each tier's made/promised tokens: why it chose what it did."""
     lines = []
     for r in rows:
         d = r.adaptive
@@ -418,8 +418,14 @@ def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
             f"(predicted/steady/transitions (steps)) {cost}; accept/pos {accept}; "
             f"probes {d['probes_won']}/{d['probes']} won (every {d['probe_interval']}); "
             f"goodput pred {d['predicted_goodput']:,.0f} meas {d['measured_goodput']:,.0f} tok/s"
+            + (f"; made/promised {_corrections(d['calibration'])}" if d.get("calibration") else "")
         )
     return lines
+
+
+def _corrections(calibration: dict[str, float]) -> str:
+    """`TIER@BATCH:RATIO ...`: each tier's tokens made over those its predictions promised."""
+    return " ".join(f"{key}:{ratio:.2f}" for key, ratio in calibration.items())
 
 
 def _cost_cell(d: dict, name: str, ms: float) -> str:

@@ -86,7 +86,9 @@ class AdaptiveConfig:
     configured tree (`default_tiers`). Every tier must fit the configured shape (its KV slots and
     CUDA graphs are sized by it). The rest tune the policy, the acceptance estimates and the cost
     tables (`AdaptiveSettings` in `specserve/serve/config.py` describes each); `shadow_lookups`: n-gram
-    lookups a step scored while off (`specserve/spec/shadow.py`; 0: none, probes alone)."""
+    lookups a step scored while off (`specserve/spec/shadow.py`; 0: none, probes alone);
+    `calibration_fade`: how fast each tier's correction by its measured steps forgets, per step of
+    the tier (`specserve/spec/calibration.py`; None: predictions uncorrected)."""
 
     tiers: tuple[tuple[int, int, int], ...] | None = None
     hysteresis: float = 0.05
@@ -100,6 +102,7 @@ class AdaptiveConfig:
     cost_alpha: float = 0.2
     profile: bool = True
     shadow_lookups: int = 2
+    calibration_fade: float | None = 0.8
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
@@ -129,6 +132,11 @@ class AdaptiveConfig:
             and self.shadow_lookups >= 0,
             f"{name}.shadow_lookups",
             "must be an integer >= 0",
+        )
+        _require(
+            self.calibration_fade is None or (_is_number(self.calibration_fade) and 0 <= self.calibration_fade < 1),
+            f"{name}.calibration_fade",
+            "must be a number in [0, 1) or null",
         )
         if self.tiers is None:
             return

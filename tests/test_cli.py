@@ -139,6 +139,7 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     assert set(diag["step_ms"]) == {"off", "1", "2", "3"} and all(ms > 0 for ms in diag["step_ms"].values())
     assert len(diag["pooled_acceptance"]["1"]) == 3 and diag["measured_goodput"] >= 0
     assert diag["batch"] == 3 and isinstance(diag["measured_step_ms"], dict)  # at the row's batch size
+    assert all(0.25 <= ratio <= 2.0 for ratio in diag["calibration"].values())  # made / promised tokens
     assert rows[("specserve-ngram-3", 3)]["adaptive"] is None
     printed = capsys.readouterr().out
     assert "ms/step (draft/target)" in printed

@@ -78,7 +78,8 @@ class ScriptedDrafter(Drafter):
 
 def _gpu_like_costs(costs, batches=range(1, 9), lens=range(1, 10)) -> None:
     """A launch-bound target at small batch (1 ms whatever the tokens), compute-bound at large; every
-    shape a run can meet is in the table, and cost_alpha 0 keeps it: decisions are deterministic."""
+    shape a run can meet is in the table, and cost_alpha 0 keeps it: decisions are deterministic.
+    (Its callers turn off the correction by measured steps: this CPU's step times are not the table's.)"""
     costs.profile(VERIFY, [(b, q) for b in batches for q in lens], lambda b, q: max(1.0, 0.03 * b * q) * MS)
     costs.profile(DRAFT, [(b, 1) for b in batches], lambda b, w: 0.15 * MS)
 
@@ -95,7 +96,7 @@ def test_engine_settles_on_the_best_tier_as_acceptance_and_batch_change(target, 
     spec = {
         "method": "ngram",
         "num_steps": 8,
-        "adaptive": {"profile": False, "cost_alpha": 0.0, "probe_every": 8},
+        "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None, "probe_every": 8},
     }
     llm = LLM(
         target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec, max_running_requests=8
@@ -146,7 +147,7 @@ def test_a_mixed_batch_drafts_per_request_depths_losslessly(target, plain):
     the requests whose drafts are right the full depth and those whose drafts always fail none (a
     decode row in the verify pass), predicted above every tier run the static way; the output is
     still the target's own, and the KV pages all come back (the fixture)."""
-    spec = {"method": "ngram", "num_steps": 8, "adaptive": {"profile": False, "cost_alpha": 0.0}}
+    spec = {"method": "ngram", "num_steps": 8, "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None}}
     llm = LLM(
         target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec, max_running_requests=4
     )
@@ -388,7 +389,7 @@ def test_sampling_follows_the_target_across_switches(target):
 
 
 def test_metrics_show_the_tier_switches_and_goodput(target, plain):
-    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"profile": False, "cost_alpha": 0.0}}
+    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None}}
     llm = LLM(target, device="cpu", dtype="float32", max_total_tokens=4096, speculative=spec)
     engine = llm.engine
     _gpu_like_costs(engine.adaptive.costs)
@@ -515,6 +516,8 @@ def test_adaptive_settings_from_every_edge(target):
         ({"min_reach": 1}, "min_reach"),
         ({"prior": 1.0}, "prior"),
         ({"cost_alpha": "fast"}, "cost_alpha"),
+        ({"calibration_fade": 1.0}, "calibration_fade"),
+        ({"calibration_fade": "slow"}, "calibration_fade"),
         ({"tiers": []}, "tiers"),
         ({"tiers": ["9"]}, "tiers"),  # past the configured num_steps
         ({"tiers": ["2x2x2"]}, "tiers"),  # a tree while topk is 1

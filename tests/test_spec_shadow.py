@@ -112,6 +112,7 @@ def _looping_llm(target, shadow_lookups: int) -> LLM:
     adaptive = {
         "profile": False,
         "cost_alpha": 0.0,
+        "calibration_fade": None,  # the step times are this CPU's, the costs are scripted
         "prior": 0.05,
         "probe_every": 100_000,
         "shadow_lookups": shadow_lookups,

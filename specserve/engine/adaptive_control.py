@@ -49,6 +49,7 @@ from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings, StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
+from specserve.spec.calibration import GoodputCalibration
 from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.shadow import Lookup, ShadowDrafts
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, robust_mean
@@ -89,6 +90,7 @@ class AdaptiveSpeculation:
             min_reach=config.min_reach,
             probe_every=config.probe_every,
             draft_per_step=spec.method != "ngram",
+            calibration=None if config.calibration_fade is None else GoodputCalibration(config.calibration_fade),
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
         # Chain lengths the engine runs in a device loop: their prices come from loop steps only
@@ -96,6 +98,9 @@ class AdaptiveSpeculation:
         # head's chain pays ~1 ms of host drafting for at batch 1 (the loop: nothing extra).
         self.looped_chains: frozenset[int] = frozenset()
         self.predicted_goodput = 0.0
+        # tier -> the goodput its last standing decision predicted: a device loop's run is settled a
+        # step after it was launched, by when the policy may be elsewhere
+        self._predicted: dict[Tier, float] = {}
         self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
         self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
         # request id -> its verifies since the last decision: one a synchronous step, a device loop's
@@ -174,6 +179,8 @@ class AdaptiveSpeculation:
         self._emitted_by.clear()
         self._decoding = len(reqs)
         self.predicted_goodput = decision.predicted_goodput
+        if not self._probe:
+            self._predicted[self.tier] = decision.predicted_goodput
         self.tier_steps[self.tier] += 1
         return settings_of(self.tier)
 
@@ -227,6 +234,14 @@ class AdaptiveSpeculation:
         name = Tier.chain(depth).name
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 
+    def observe_run(self, batch: int, depth: int, tokens: int, seconds: float) -> None:
+        """A device-loop run of chains `depth` long over `batch` requests, queued behind the run
+        before it, emitted `tokens` in `seconds` (the step that settled it): its tier's correction."""
+        tier = Tier.chain(depth)
+        predicted = self._predicted.get(tier)
+        if predicted:
+            self.policy.observe_outcome(tier, batch, tokens, seconds, predicted)
+
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
         seconds = phases.get("step")
@@ -244,6 +259,8 @@ class AdaptiveSpeculation:
         # step's wall is the wait for the step before it (a prefill's, or none after a synchronous
         # step); a speculative one after plain steps settled them first (see the module docstring).
         steady = clean and not settle and previous == self._previous
+        if clean and not self._probe and previous is not None and previous.tier == self.tier:
+            self.policy.observe_outcome(self.tier, batch, stats.generation_tokens, seconds, self.predicted_goodput)
         if clean:
             self._record(batch, seconds, seconds - settle, steady)
         if self.tier.off:

@@ -664,7 +664,9 @@ class Engine:
         flight, self._loop_settled = self._loop_settled, None
         seconds = stats.phases.get("step")
         if flight is not None and flight.resumed and seconds:
-            self.adaptive.observe_loop(len(flight.reqs), flight.loop.num_steps, seconds / flight.steps)
+            batch, depth = len(flight.reqs), flight.loop.num_steps
+            self.adaptive.observe_loop(batch, depth, seconds / flight.steps)
+            self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds)
         self.adaptive.idle()
 
     def _loop_append(

@@ -178,6 +178,14 @@ class AdaptiveSettings(BaseModel):
         "runs anyway and what it would have had accepted feeds the acceptance estimates, so the policy "
         "sees text turn predictable without waiting for a probe (0: probes only).",
     )
+    calibration_fade: float | None = Field(
+        _adaptive_default("calibration_fade"),
+        ge=0,
+        lt=1,
+        description="Each speculative tier's predicted goodput is corrected by what its steady steps "
+        "measured against it (tokens emitted over tokens predicted, per tier and batch size class); "
+        "this is how much of that evidence a further step of the tier keeps (null: no correction).",
+    )
 
 
 def _check_speculative_adaptive(value: dict[str, Any] | str | None) -> None:

@@ -32,6 +32,11 @@ judged on its measured time (not its predicted one: priced too cheap, probes at 
 switched the policy on where speculation lost), and one dearer than a decode step waits until its
 extra time is at most `probe_share` of the steps off since the last one.
 
+A tier whose steps made less than it promised, against another that kept its word better, is
+scored down by the ratio (`specserve/spec/calibration.py`): the model of a tier's goodput errs by
+tier (deep n-gram positions overrated after copying stretches), and the policy kept going back to a
+tier that lost.
+
 The measured goodput (tokens emitted per second of step, an EMA) sits beside the predicted one for
 the metrics; `diagnostics` gives the cost table, the pooled estimates and the probe record for
 benchmark reports.
@@ -72,6 +77,7 @@ from dataclasses import dataclass, field
 
 from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
+from specserve.spec.calibration import GoodputCalibration
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, VERIFY, StepCosts
 
@@ -147,6 +153,7 @@ class AdaptivePolicy:
         draft_per_step: bool = True,
         probe_share: float = 0.03,
         shapes: VerifyShapes | None = None,
+        calibration: GoodputCalibration | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("tiers: at least one")
@@ -159,6 +166,8 @@ class AdaptivePolicy:
         self.rescore_every, self.probe_share = rescore_every, probe_share
         self.shadow_rescore_every = shadow_rescore_every
         self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
+        self.calibration = calibration  # None: predictions taken as they are
+        self._speculative = [t for t in self.tiers if not t.off]
         self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
         self._topks = sorted({t.topk for t in self.tiers if not t.off})
         self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
@@ -237,7 +246,7 @@ class AdaptivePolicy:
             self._scored_age = 0
         self._scored_age += 1
         self.last_batch = len(ids)
-        scores = scored.score
+        scores = self._calibrated(scored)
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
         switched = self._update(best, scores, verifies)
         probe = self._probe(scored, verifies)
@@ -251,6 +260,21 @@ class AdaptivePolicy:
 
     def forget(self, request_id: str) -> None:
         self._idle.pop(request_id, None)
+
+    def observe_outcome(self, tier: Tier, batch: int, tokens: int, seconds: float, predicted: float) -> None:
+        """A steady step (or device-loop run) of `tier` over `batch` requests emitted `tokens` in
+        `seconds`, where `predicted` tokens per second were expected: the tier's correction
+        (`specserve/spec/calibration.py`). Speculation off is priced by its measured steps already."""
+        if self.calibration is not None and not tier.off and seconds > 0:
+            self.calibration.observe(tier, batch, tokens, seconds, predicted)
+
+    def _calibrated(self, scored: _Scores) -> dict[Tier, float]:
+        """`scored`'s scores, each speculative tier's times its correction at the batch."""
+        calibration = self.calibration
+        if calibration is None or not calibration.version:
+            return scored.score
+        factors = calibration.factors(self._speculative, len(scored.ids))
+        return {t: s * factors.get(t, 1.0) for t, s in scored.score.items()}
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step emitted `tokens` in `seconds` (draft and target): the measured goodput's EMA, and
@@ -303,6 +327,7 @@ class AdaptivePolicy:
             "probes": self.probes,
             "probes_won": self.probes_won,
             "probe_interval": self.probe_interval,
+            "calibration": self.calibration.snapshot() if self.calibration is not None else {},
         }
 
     def stays_off(self, batch: int) -> bool:

@@ -1,0 +1,103 @@
+"""What each tier's steps really emitted against what the policy predicted for them.
+
+The policy's prediction of a tier's goodput is a model: live acceptance estimates times step-cost
+tables. Where the model is wrong in a way that depends on the tier, it picks the wrong tier for good.
+Issue 9's H100 runs show two such errors. At batch 16 on MT-Bench the pooled estimates of deep
+n-gram positions (0.73-0.90 each, conditional on the draft reaching them) far exceed what the static
+chains imply (~0.43 for position 2): the deep positions get tested while the policy holds a long
+chain, which it does after copying stretches. So the 8-chain looked worth ~2.5 tokens a verify,
+and the policy kept going back to it (28 switches in four batches, 0.95x the best static chain).
+And the loop tiers are priced by back-to-back loop steps without host work.
+
+So every speculative tier's prediction is corrected by what its steady steps measured: the tokens
+they emitted over the tokens the prediction promised in the same seconds, over faded sums (`fade`
+per step of that tier), per tier and batch class (powers of two: the cost model errs differently at
+batch 1 and 64). Only errors between tiers are corrected: a tier's factor is its ratio over the best
+ratio measured in its class, so the tier predicted best relative to what it made keeps its raw
+prediction and the others come down to it; a tier not yet measured keeps its own. An error common
+to every speculative tier moves none of them against speculation off (a measured step already):
+corrected outright, the simulated batch-64 runs (`scripts/adaptive_sim.py`, where runs of 8 verifies
+waste rows on requests near their end) went off and lost 3%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A correction stays within these: one step's evidence at a time, a burst of copying (or of misses)
+# within a few steps may swing the measured tokens far from any estimate.
+LOW, HIGH = 0.25, 2.0
+# Per observation of another tier in its class: a correction not renewed is half gone after ~140
+# (~6 batches of 16 requests in a device loop on the H100, a few seconds). Faster (half gone after
+# 35), the modelled batch 64 of tests/test_spec_adaptive_rows.py went back to the 8-chain it had
+# left, again and again.
+IDLE_FADE = 0.995
+
+
+@dataclass
+class _Sums:
+    measured: float = 0.0  # tokens the steps emitted, faded
+    predicted: float = 0.0  # tokens the predictions promised in the steps' seconds, faded
+    seen: int = 0  # the class's observations when this tier's last came
+
+    @property
+    def ratio(self) -> float:
+        return min(max(self.measured / self.predicted, LOW), HIGH)
+
+
+def batch_class(batch: int) -> int:
+    """1, 2-3, 4-7, ...: batch sizes whose predictions err alike share a correction."""
+    return max(batch, 1).bit_length()
+
+
+class GoodputCalibration:
+    """Per (tier, batch class): measured over predicted tokens of its steady steps, faded by `fade`
+    per step of the tier (any hashable key), drawn back to no correction by `idle_fade` per step of
+    another."""
+
+    def __init__(self, fade: float = 0.8, idle_fade: float = IDLE_FADE) -> None:
+        if not 0 <= fade < 1:
+            raise ValueError("fade: must be in [0, 1)")
+        if not 0 < idle_fade <= 1:
+            raise ValueError("idle_fade: must be in (0, 1]")
+        self.fade, self.idle_fade = fade, idle_fade
+        self._sums: dict[tuple[object, int], _Sums] = {}
+        self._seen: dict[int, int] = {}  # batch class -> its observations
+        self.version = 0  # counts observations: factors read since are current when unchanged
+
+    def observe(self, tier: object, batch: int, tokens: float, seconds: float, predicted_goodput: float) -> None:
+        """A steady step of `tier` over `batch` requests emitted `tokens` in `seconds`, where the
+        policy had predicted `predicted_goodput` tokens per second."""
+        promised = predicted_goodput * seconds
+        if promised <= 0 or tokens < 0:
+            return
+        cls = batch_class(batch)
+        sums = self._sums.setdefault((tier, cls), _Sums())
+        sums.measured = sums.measured * self.fade + tokens
+        sums.predicted = sums.predicted * self.fade + promised
+        sums.seen = self._seen[cls] = self._seen.get(cls, 0) + 1
+        self.version += 1
+
+    def factors(self, tiers: list, batch: int) -> dict:
+        """Each of `tiers`' correction at `batch`: a measured one's ratio over the best ratio measured
+        in its class (at most 1), an unmeasured one 1."""
+        cls = batch_class(batch)
+        seen = self._seen.get(cls, 0)
+        own = {t: self._aged(s, seen) for t in tiers if (s := self._sums.get((t, cls))) is not None}
+        top = max(own.values(), default=1.0)
+        return {t: own[t] / top if t in own else 1.0 for t in tiers}
+
+    def _aged(self, sums: _Sums, seen: int) -> float:
+        """`sums`' ratio, drawn back towards 1 by `idle_fade` per observation of another tier since
+        its own last: text changes, and a tier left for an error it made an hour ago never runs
+        again to show it no longer makes it."""
+        weight = self.idle_fade ** (seen - sums.seen)
+        return weight * sums.ratio + (1 - weight)
+
+    def snapshot(self) -> dict[str, float]:
+        """`TIER@CLASS` -> its correction, for diagnostics (the tier's `name` where it has one)."""
+        return {
+            f"{getattr(t, 'name', t)}@{1 << (c - 1)}": round(s.ratio, 3) for (t, c), s in sorted(
+                self._sums.items(), key=lambda kv: (kv[0][1], str(kv[0][0]))
+            )
+        }

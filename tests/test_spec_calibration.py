@@ -1,0 +1,93 @@
+"""Each speculative tier's predicted goodput corrected by what its steps emitted (`GoodputCalibration`),
+and the policy reading the corrections: a tier whose predictions run high against what it makes
+loses to one predicted lower that keeps its word."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.spec.acceptance import AcceptanceTracker
+from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier
+from specserve.spec.calibration import GoodputCalibration, batch_class
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
+
+MS = 1e-3
+TWO, FOUR, EIGHT = Tier.chain(2), Tier.chain(4), Tier.chain(8)
+
+
+def test_batch_classes_are_powers_of_two():
+    assert [batch_class(b) for b in (1, 2, 3, 4, 7, 8, 16, 63, 64)] == [1, 2, 2, 3, 3, 4, 5, 6, 7]
+
+
+def test_corrections_are_relative_to_the_tier_that_kept_its_word_best():
+    cal = GoodputCalibration(fade=0.5, idle_fade=1.0)
+    assert cal.factors([TWO, EIGHT], 16) == {TWO: 1.0, EIGHT: 1.0}  # nothing measured
+    cal.observe(TWO, 16, tokens=90, seconds=0.01, predicted_goodput=10_000)  # 0.9 of its promise
+    cal.observe(EIGHT, 16, tokens=60, seconds=0.01, predicted_goodput=10_000)  # 0.6
+    assert cal.factors([TWO, EIGHT], 16) == pytest.approx({TWO: 1.0, EIGHT: 0.6 / 0.9})
+    assert cal.factors([TWO, EIGHT, Tier.chain(4)], 20)[Tier.chain(4)] == 1.0  # unmeasured: its own
+    assert cal.factors([TWO, EIGHT], 64) == {TWO: 1.0, EIGHT: 1.0}  # another batch class
+    # the evidence fades per step of the tier: the 8-chain keeping its word lately lifts it back
+    for _ in range(6):
+        cal.observe(EIGHT, 16, tokens=90, seconds=0.01, predicted_goodput=10_000)
+    assert cal.factors([TWO, EIGHT], 16)[EIGHT] == pytest.approx(1.0, abs=0.01)
+    assert cal.snapshot()["8@16"] == pytest.approx(0.9, abs=0.01)
+
+
+def test_a_correction_not_renewed_wears_off():
+    cal = GoodputCalibration(fade=0.5, idle_fade=0.9)
+    cal.observe(EIGHT, 16, tokens=50, seconds=0.01, predicted_goodput=10_000)
+    cal.observe(TWO, 16, tokens=100, seconds=0.01, predicted_goodput=10_000)
+    assert cal.factors([TWO, EIGHT], 16)[EIGHT] == pytest.approx(0.9 * 0.5 + 0.1)  # one step of another
+    for _ in range(60):
+        cal.observe(TWO, 16, tokens=100, seconds=0.01, predicted_goodput=10_000)
+    assert cal.factors([TWO, EIGHT], 16)[EIGHT] == pytest.approx(1.0, abs=0.01)
+    assert cal.factors([TWO, EIGHT], 64)[EIGHT] == 1.0
+
+
+def test_a_correction_is_bounded_and_a_fade_must_forget():
+    cal = GoodputCalibration(idle_fade=1.0)
+    cal.observe(TWO, 1, tokens=1000, seconds=0.01, predicted_goodput=1.0)
+    cal.observe(EIGHT, 1, tokens=0, seconds=0.01, predicted_goodput=1000.0)
+    assert cal.factors([TWO, EIGHT], 1)[EIGHT] == pytest.approx(0.25 / 2.0)
+    cal.observe(EIGHT, 1, tokens=5, seconds=0.0, predicted_goodput=1000.0)  # no time: no evidence
+    assert cal.version == 2
+    with pytest.raises(ValueError, match="fade"):
+        GoodputCalibration(fade=1.0)
+    with pytest.raises(ValueError, match="idle_fade"):
+        GoodputCalibration(idle_fade=0.0)
+
+
+def _policy(calibration: GoodputCalibration | None) -> AdaptivePolicy:
+    """Batch 16, every request's drafts right at 0.8 a position, launch-bound passes: the 8-chain is
+    predicted best (4.57 tokens in 1.225 ms; the 4-chain 3.36 in 1.125)."""
+    costs = StepCosts(alpha=0.0)
+    costs.profile(VERIFY, [(16, q) for q in (1, 2, 3, 5, 9)], lambda b, q: (1.0 + 0.025 * q) * MS)
+    costs.profile(DECODE, [(16, 1)], lambda b, q: 1.0 * MS)
+    costs.profile(DRAFT, [(16, 1)], lambda b, w: 1e-6)
+    acceptance = AcceptanceTracker(8, prior=0.8, strength=1e6)  # the estimates stay at 0.8
+    tiers = [OFF, Tier.chain(1), TWO, FOUR, EIGHT]
+    return AdaptivePolicy(tiers, costs, acceptance, draft_per_step=False, calibration=calibration)
+
+
+def test_the_policy_leaves_a_tier_that_makes_less_than_it_promised():
+    ids = [f"r{i}" for i in range(16)]
+    assert _policy(None).decide(ids).tier == EIGHT
+    policy = _policy(GoodputCalibration())
+
+    def run(tier: Tier, share: float) -> None:
+        """A step of `tier` that made `share` of the tokens predicted for it."""
+        goodput = policy.goodput(tier, ids)
+        policy.observe_outcome(tier, 16, share * goodput * 0.01, 0.01, goodput)
+
+    # Alone, a tier is not corrected: speculation off is never, and an error every tier shares
+    # must not move them against it.
+    run(EIGHT, 0.7)
+    assert policy.decide(ids).tier == EIGHT
+    # The 4-chain ran too (the policy went back and forth) and made what it promised, the
+    # 8-chain 70% of it (say its deep positions were overrated): the 4-chain from then on.
+    run(FOUR, 1.0)
+    tiers = [policy.decide(ids).tier for _ in range(8)]
+    assert tiers[-4:] == [FOUR] * 4, tiers
+    assert policy.diagnostics(16)["calibration"] == {"4@16": 1.0, "8@16": 0.7}
+    assert _policy(None).decide(ids).tier == EIGHT  # uncorrected it would have stayed
