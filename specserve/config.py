@@ -134,7 +134,8 @@ class AdaptiveConfig:
             "must be an integer >= 0",
         )
         _require(
-            self.calibration_fade is None or (_is_number(self.calibration_fade) and 0 <= self.calibration_fade < 1),
+            self.calibration_fade is None
+            or (_is_number(self.calibration_fade) and 0 <= self.calibration_fade < 1),
             f"{name}.calibration_fade",
             "must be a number in [0, 1) or null",
         )

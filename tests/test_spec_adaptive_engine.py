@@ -147,7 +147,11 @@ def test_a_mixed_batch_drafts_per_request_depths_losslessly(target, plain):
     the requests whose drafts are right the full depth and those whose drafts always fail none (a
     decode row in the verify pass), predicted above every tier run the static way; the output is
     still the target's own, and the KV pages all come back (the fixture)."""
-    spec = {"method": "ngram", "num_steps": 8, "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None}}
+    spec = {
+        "method": "ngram",
+        "num_steps": 8,
+        "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None},
+    }
     llm = LLM(
         target, device="cpu", dtype="float32", max_total_tokens=8192, speculative=spec, max_running_requests=4
     )
@@ -389,7 +393,11 @@ def test_sampling_follows_the_target_across_switches(target):
 
 
 def test_metrics_show_the_tier_switches_and_goodput(target, plain):
-    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None}}
+    spec = {
+        "method": "ngram",
+        "num_steps": 4,
+        "adaptive": {"profile": False, "cost_alpha": 0.0, "calibration_fade": None},
+    }
     llm = LLM(target, device="cpu", dtype="float32", max_total_tokens=4096, speculative=spec)
     engine = llm.engine
     _gpu_like_costs(engine.adaptive.costs)

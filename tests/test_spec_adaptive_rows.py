@@ -166,3 +166,18 @@ def test_batch_1_of_a_copying_request_holds_the_long_chain(seed):
     control = _control(1)
     tiers = _serve(control, [COPY], rng)
     assert control.policy.current == Tier.chain(8), tiers
+
+
+def test_a_loop_run_feeds_the_measured_goodput_and_its_tier_s_correction():
+    control = _control(64)
+    reqs = [
+        SimpleNamespace(request_id=f"r{i}", params=SimpleNamespace(max_new_tokens=256), num_output=1)
+        for i in range(64)
+    ]
+    control.decide(reqs, 1)  # a standing decision: its tier's prediction is what a run is held to
+    tier, predicted = control.tier, control.predicted_goodput
+    assert not tier.off and predicted > 0
+    control.observe_run(64, tier.num_steps, tokens=700, seconds=0.02)
+    assert control.policy.measured_goodput == pytest.approx(700 / 0.02)  # the metric's source
+    made = control.diagnostics(64)["calibration"][f"{tier.name}@64"]
+    assert made == pytest.approx(min(max(700 / (predicted * 0.02), 0.25), 2.0), abs=1e-3)

@@ -35,7 +35,7 @@ from specserve.train.data import GenerationSettings, cut_loops, generate_respons
 from specserve.train.dataset import Batch, epoch_batches, make_batch
 from specserve.train.evaluate import measure_acceptance
 from specserve.train.trainer import TrainConfig, compile_head, new_head, train_head
-from specserve.train.unroll import target_pass, unroll, unrolled_loss
+from specserve.train.unroll import AnswerStart, target_pass, unroll, unrolled_loss
 
 VOCAB = 96  # a small vocabulary: a tiny random target's answers are learnable in a few hundred steps
 CPU = torch.device("cpu")
@@ -213,10 +213,11 @@ def test_fused_chain_attention_equals_the_dense_one(dtype, tol):
         torch.testing.assert_close(got.float(), want.float(), atol=tol * 2, rtol=tol)
 
 
-def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=None):
+def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=None, answer_start=None):
     """The batch's loss written plainly: the target's log-probabilities at every position, each
     step's KL from log_softmax of its logits at the positions whose label exists (and, with a reduced
-    vocabulary, whose target argmax is a draft token), averaged; autograd does the rest."""
+    vocabulary, whose target argmax is a draft token), averaged (those predicting one of an answer's
+    first `answer_start.tokens` weighing `answer_start.weight`); autograd does the rest."""
     bsz, seq = batch.ids.shape
     positions = torch.arange(seq)
     is_label = (positions >= batch.prompt_lens[:, None] - 1) & (positions <= batch.lengths[:, None] - 2)
@@ -236,17 +237,30 @@ def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=Non
         mask = is_label[:, offset:]  # the row at p is about the target's distribution at p + offset
         logq = head.output_head(head.module_for_step(s))(out[:, : seq - offset]).float().log_softmax(-1)
         label = logp[:, offset:]
-        kl = (label.exp() * (label - logq)).sum(-1)[mask].mean()
+        weight = torch.ones(mask.shape)
+        if answer_start is not None:
+            answer = positions[offset:] - (batch.prompt_lens[:, None] - 1)  # of the label row p + offset
+            weight[answer < answer_start.tokens] = answer_start.weight
+        kl_rows = (label.exp() * (label - logq)).sum(-1)
+        kl = (kl_rows * weight)[mask].sum() / weight[mask].sum()
         total = total + decay**s * kl
         losses.append(float(kl.detach()))
         agreement.append(float((logq.argmax(-1) == label.argmax(-1))[mask].float().mean()))
     return total, losses, agreement
 
 
-@pytest.mark.parametrize("method, shape", [("eagle3", {"draft_vocab": 48}), ("mtp", {"num_modules": 2})])
-def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape):
+@pytest.mark.parametrize(
+    "method, shape, answer_start",
+    [
+        ("eagle3", {"draft_vocab": 48}, None),
+        ("mtp", {"num_modules": 2}, None),
+        ("eagle3", {"draft_vocab": 48}, AnswerStart(weight=3.0, tokens=4)),
+    ],
+)
+def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape, answer_start):
     """unrolled_loss (host-planned rows, the KL and its gradient in one pass over the logits) equals
-    the plain autograd statement of the loss, in value, per-step figures and gradients."""
+    the plain autograd statement of the loss, in value, per-step figures and gradients; with the
+    answers' first tokens weighing more too."""
     cfg = TrainConfig(method=method, steps=4, max_steps=1, **shape)
     head = new_head(target, cfg, CPU)
     t2d = None
@@ -259,8 +273,10 @@ def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape):
     # Short prompts: the last chain steps reach fewer answer positions than the first.
     batch = Batch(ids, torch.tensor([20, 17, 12]), torch.tensor([2, 5, 3]))
     params = [p for p in head.parameters() if p.requires_grad]
-    got = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d)
-    want, losses, agreement = reference_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d)
+    got = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d, answer_start)
+    want, losses, agreement = reference_loss(
+        head, target.model, batch, cfg.steps, cfg.decay, t2d, answer_start
+    )
     torch.testing.assert_close(got.loss, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.step_losses, tuple(losses), atol=1e-6, rtol=1e-5)
     assert got.step_accuracy == pytest.approx(agreement, abs=1e-6)
@@ -567,6 +583,8 @@ def test_train_draft_command_runs_every_phase(tiny_llama, tmp_path, capsys):
         "2048",
         "--unroll",
         "3",
+        "--start-weight",
+        "2",
         "--eval-data",
         str(prompts_file),
         "--eval-prompts",
@@ -582,6 +600,7 @@ def test_train_draft_command_runs_every_phase(tiny_llama, tmp_path, capsys):
     assert len(load_samples(out / "responses.npz")) == 6
     config = json.loads((out / "config.json").read_text())
     assert config["specserve"]["method"] == "eagle3" and config["torch_dtype"] == "bfloat16"
+    assert config["specserve"]["recipe"]["start_weight"] == 2.0  # the answers' first tokens weighed twice
     reports = json.loads((out / "eval.json").read_text())["reports"]
     chain = [r for r in reports if r["speculative"].get("topk", 1) == 1]
     assert [r["temperature"] for r in chain] == [0.0, 0.7]

@@ -90,7 +90,9 @@ class AdaptiveSpeculation:
             min_reach=config.min_reach,
             probe_every=config.probe_every,
             draft_per_step=spec.method != "ngram",
-            calibration=None if config.calibration_fade is None else GoodputCalibration(config.calibration_fade),
+            calibration=None
+            if config.calibration_fade is None
+            else GoodputCalibration(config.calibration_fade),
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
         # Chain lengths the engine runs in a device loop: their prices come from loop steps only
@@ -236,7 +238,10 @@ class AdaptiveSpeculation:
 
     def observe_run(self, batch: int, depth: int, tokens: int, seconds: float) -> None:
         """A device-loop run of chains `depth` long over `batch` requests, queued behind the run
-        before it, emitted `tokens` in `seconds` (the step that settled it): its tier's correction."""
+        before it, emitted `tokens` in `seconds` (the step that settled it): the measured goodput
+        (a loop's steps reach `observe_step` no other way: the metric stood still while loops ran)
+        and its tier's correction."""
+        self.policy.observe_step(tokens, seconds)
         tier = Tier.chain(depth)
         predicted = self._predicted.get(tier)
         if predicted:
@@ -260,7 +265,9 @@ class AdaptiveSpeculation:
         # step); a speculative one after plain steps settled them first (see the module docstring).
         steady = clean and not settle and previous == self._previous
         if clean and not self._probe and previous is not None and previous.tier == self.tier:
-            self.policy.observe_outcome(self.tier, batch, stats.generation_tokens, seconds, self.predicted_goodput)
+            self.policy.observe_outcome(
+                self.tier, batch, stats.generation_tokens, seconds, self.predicted_goodput
+            )
         if clean:
             self._record(batch, seconds, seconds - settle, steady)
         if self.tier.off:

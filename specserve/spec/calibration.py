@@ -65,7 +65,9 @@ class GoodputCalibration:
         self._seen: dict[int, int] = {}  # batch class -> its observations
         self.version = 0  # counts observations: factors read since are current when unchanged
 
-    def observe(self, tier: object, batch: int, tokens: float, seconds: float, predicted_goodput: float) -> None:
+    def observe(
+        self, tier: object, batch: int, tokens: float, seconds: float, predicted_goodput: float
+    ) -> None:
         """A steady step of `tier` over `batch` requests emitted `tokens` in `seconds`, where the
         policy had predicted `predicted_goodput` tokens per second."""
         promised = predicted_goodput * seconds
@@ -97,7 +99,6 @@ class GoodputCalibration:
     def snapshot(self) -> dict[str, float]:
         """`TIER@CLASS` -> its correction, for diagnostics (the tier's `name` where it has one)."""
         return {
-            f"{getattr(t, 'name', t)}@{1 << (c - 1)}": round(s.ratio, 3) for (t, c), s in sorted(
-                self._sums.items(), key=lambda kv: (kv[0][1], str(kv[0][0]))
-            )
+            f"{getattr(t, 'name', t)}@{1 << (c - 1)}": round(s.ratio, 3)
+            for (t, c), s in sorted(self._sums.items(), key=lambda kv: (kv[0][1], str(kv[0][0])))
         }

@@ -101,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--unroll", type=int, default=6, help="chain steps unrolled per batch")
     train.add_argument("--loss-decay", type=float, default=0.8, help="step s's loss weighs DECAY**s")
+    train.add_argument(
+        "--start-weight",
+        type=float,
+        default=1.0,
+        help="label positions within an answer's first --start-tokens tokens weigh this much (the rest 1): "
+        "where a one-layer head agrees least with the target, and where MT-Bench measures it",
+    )
+    train.add_argument("--start-tokens", type=int, default=128, help="see --start-weight")
     train.add_argument("--lr", type=float, default=3e-4)
     train.add_argument("--warmup-steps", type=int, default=50)
     train.add_argument(
@@ -340,6 +348,8 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         draft_vocab=args.draft_vocab if args.method == "eagle3" else None,
         steps=args.unroll,
         decay=args.loss_decay,
+        start_weight=args.start_weight,
+        start_tokens=args.start_tokens,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         min_lr_ratio=args.min_lr_ratio,

@@ -31,7 +31,7 @@ from specserve.train.checkpoint import (
 )
 from specserve.train.data import Samples
 from specserve.train.dataset import draft_vocabulary, epoch_batches, make_batch
-from specserve.train.unroll import unrolled_loss
+from specserve.train.unroll import AnswerStart, unrolled_loss
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class TrainConfig:
     draft_vocab: int | None = None  # EAGLE-3 reduced vocabulary (None: the target's lm_head)
     steps: int = 6  # chain steps unrolled per batch
     decay: float = 0.8  # step s's loss weighs decay**s
+    start_weight: float = 1.0  # rows of an answer's first start_tokens weigh this (`AnswerStart`)
+    start_tokens: int = 128
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -63,6 +65,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.max_steps is None and self.max_minutes is None:
             raise ValueError("train: give max_steps or max_minutes (or both)")
+        if not self.start_weight > 0 or self.start_tokens < 0:
+            raise ValueError("train: start_weight must be > 0 and start_tokens >= 0")
 
     def recipe(self, target: str) -> dict:
         return {**dataclasses.asdict(self), "target": target}
@@ -153,6 +157,7 @@ def train_head(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     bar = tqdm(total=cfg.max_steps, initial=done.step, desc=f"train {cfg.method}", disable=not progress_bar)
     batches = epoch_batches(samples, cfg.tokens_per_batch, cfg.max_len, cfg.seed, done.epoch)
+    answer_start = AnswerStart(cfg.start_weight, cfg.start_tokens)
     losses: list[float] = []
     result = None
     started = time.monotonic() - done.seconds
@@ -172,7 +177,7 @@ def train_head(
             group["lr"] = cfg.lr * _lr_factor(cfg, done)
         with _profiled(done.step, log):
             with autocast:
-                result = unrolled_loss(head, target, batch, cfg.steps, cfg.decay, t2d)
+                result = unrolled_loss(head, target, batch, cfg.steps, cfg.decay, t2d, answer_start)
             optimizer.zero_grad(set_to_none=True)
             result.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
