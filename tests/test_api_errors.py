@@ -100,6 +100,49 @@ def test_bad_input_is_a_400_naming_the_field(served, route, body, param):
     assert served.http.get("/health").status_code == 200
 
 
+# Bodies as sent (JSON may escape half a surrogate pair; Python's parser takes NaN and Infinity).
+RAW = [
+    (COMPLETIONS, '{"prompt": "a\\ud800b", "max_tokens": 4}', "prompt"),  # was a 503 asking for a retry
+    (COMPLETIONS, '{"prompt": ["ok", "\\udfff"], "max_tokens": 4}', "prompt[1]"),
+    (COMPLETIONS, '{"prompt": "x", "top_p": NaN}', "top_p"),
+    (COMPLETIONS, '{"prompt": "x", "stop": "\\ud800"}', "stop[0]"),
+    (CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    (
+        CHAT,
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    (GENERATE, '{"text": "\\ud800"}', "text"),
+    (GENERATE, '{"text": "hi", "rid": "\\ud800"}', "rid"),  # was a 500 once generated
+    (GENERATE, '{"text": "hi", "rid": ""}', "rid"),
+    (GENERATE, '{"text": "hi", "rid": "%s"}' % ("r" * 257), "rid"),
+    (GENERATE, '{"text": "hi", "sampling_params": {"temperature": Infinity}}', "sampling_params.temperature"),
+    (GENERATE, '{"text": "hi", "sampling_params": {"top_p": NaN}}', "sampling_params.top_p"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), RAW, ids=[f"{r}:{p}" for r, _, p in RAW])
+def test_text_that_is_no_unicode_and_numbers_that_are_no_json_are_a_400(served, route, body, param):
+    response = served.http.post(route, content=body.encode(), headers={"content-type": "application/json"})
+    _assert_400(response, param)
+    assert served.http.get("/health").status_code == 200
+
+
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenised(served, monkeypatch):
+    """Tokenised on the engine thread, a 15 MiB prompt held every other request up for 12 s before
+    its 400; now prompts are tokenised on a thread of their own, and one of more characters than the
+    context could hold as tokens never is."""
+    encoder = served.client._encoder
+    monkeypatch.setattr(encoder, "_encode", lambda prompt: pytest.fail("tokenised"))
+    _assert_400(served.http.post(COMPLETIONS, json={"prompt": "x" * (encoder.max_chars + 1)}), "prompt")
+    _assert_400(
+        served.http.post(
+            CHAT, json={"messages": [{"role": "user", "content": "x" * (encoder.max_chars + 1)}]}
+        ),
+        "messages",
+    )
+
+
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b""])
 def test_malformed_bodies(served, content):
     response = served.http.post(COMPLETIONS, content=content, headers={"content-type": "application/json"})

@@ -171,6 +171,27 @@ def test_filtered_probs_matches_the_reference() -> None:
             assert torch.allclose(got[i].double(), want, atol=1e-6), (trial, i, row)
 
 
+@pytest.mark.parametrize(
+    "row",
+    [
+        dataclasses.replace(PLAIN, temperature=1e-38),  # logits / T overflowed float32: NaN rows
+        dataclasses.replace(PLAIN, temperature=1e-300),
+        dataclasses.replace(PLAIN, top_p=1e-46),  # 0 in float32: nothing was kept
+        dataclasses.replace(PLAIN, top_p=1e-46, top_k=3, temperature=1e-38),
+    ],
+)
+def test_the_least_temperatures_and_top_p_draw_the_likeliest_token(row: SamplingRow) -> None:
+    logits = _logits(4, 50, scale=20.0)
+    rows = [dataclasses.replace(row, seed=s) for s in range(4)]
+    probs = filtered_probs(logits, SamplingBatch.build(rows, CPU))
+    assert not probs.isnan().any()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.allclose(probs.amax(-1), torch.ones(4))
+    assert torch.equal(_sample_rows(logits, rows), logits.argmax(-1))
+    for i in range(4):
+        want = filtered_probs_ref(logits[i], rows[i])
+        assert torch.allclose(probs[i].double(), want, atol=1e-6)
+
+
 def test_top_p_tie_at_the_boundary_keeps_the_lower_id() -> None:
     # probs (0.4, 0.2, 0.2, 0.2): top_p=0.5 needs the first two; ids 1..3 tie, id 1 must win.
     logits = torch.log(torch.tensor([[0.2, 0.2, 0.4, 0.2]]))

@@ -15,3 +15,4 @@ MAX_STOP_LEN = 256  # characters of one stop string
 MAX_TOKEN_ID_LIST = 256  # stop_token_ids, token_ids_logprob
 MAX_TOP_LOGPROBS = 20  # OpenAI `logprobs` / `top_logprobs`
 MAX_NATIVE_TOP_LOGPROBS = 256  # native `top_logprobs_num`
+MAX_RID_LEN = 256  # characters of a native request id (`rid`)

@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from specserve.api.limits import MAX_NATIVE_TOP_LOGPROBS, MAX_PROMPTS, MAX_TOKEN_ID_LIST
-from specserve.api.openai_schemas import STRICT, StopStrings, TokenIdList
+from specserve.api.limits import MAX_NATIVE_TOP_LOGPROBS, MAX_PROMPTS, MAX_RID_LEN, MAX_TOKEN_ID_LIST
+from specserve.api.openai_schemas import STRICT, StopStrings, Text, TokenIdList
 from specserve.types import SamplingParams
 
 SAMPLING_FIELDS = (
@@ -47,11 +47,12 @@ class NativeSamplingParams(BaseModel):
 
 
 PromptIds = Annotated[list[int], Field(min_length=1)]
+Rid = Annotated[Text, Field(min_length=1, max_length=MAX_RID_LEN)]
 
 
 class GenerateRequest(BaseModel):
     model_config = STRICT
-    text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = Field(
+    text: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | None = Field(
         None, description="The prompt, or a batch of prompts (give text or input_ids)."
     )
     input_ids: PromptIds | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)] | None = (
@@ -80,8 +81,8 @@ class GenerateRequest(BaseModel):
     stream: bool = Field(
         False, description="Stream cumulative results as server-sent events ending `data: [DONE]`."
     )
-    rid: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | None = Field(
-        None, description="Request id(s), one per prompt; default: generated."
+    rid: Rid | Annotated[list[Rid], Field(max_length=MAX_PROMPTS)] | None = Field(
+        None, description=f"Request id(s), one per prompt, 1-{MAX_RID_LEN} characters; default: generated."
     )
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from specserve.api.limits import (
     MAX_N,
@@ -21,7 +21,23 @@ from specserve.api.limits import (
 )
 from specserve.types import SamplingParams
 
-STRICT = ConfigDict(extra="forbid", strict=True)
+# Floats must be finite: JSON has no Infinity or NaN, and Python's parser takes both (a temperature
+# of Infinity sampled uniformly, with a 200).
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _unicode(value: str) -> str:
+    """JSON may escape half a surrogate pair (`"\\ud800"`), which is no Unicode text: the tokenizer
+    cannot encode it (a prompt of one failed the replica's admission with a TypeError, a 503 that
+    asked for a retry) and a request id holding one could not be sent back (a 500)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it holds an unpaired surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # every string a request may hold
 
 
 def _one_or_list(value: Any) -> Any:
@@ -29,7 +45,7 @@ def _one_or_list(value: Any) -> Any:
 
 
 StopStrings = Annotated[
-    Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)]
+    Annotated[list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LEN)]], Field(max_length=MAX_STOP)]
     | None,
     BeforeValidator(_one_or_list),
 ]
@@ -50,7 +66,7 @@ class OpenAISampling(BaseModel):
     """Fields completions and chat share."""
 
     model_config = STRICT
-    model: str | None = Field(
+    model: Text | None = Field(
         None, description="The served model's name (see /v1/models); omitted: that model."
     )
     n: int = Field(
@@ -84,7 +100,7 @@ class OpenAISampling(BaseModel):
     skip_special_tokens: bool = Field(
         True, description="Leave special tokens out of the text (an extension)."
     )
-    user: str | None = Field(None, description="An id of the caller's end user; accepted and not used.")
+    user: Text | None = Field(None, description="An id of the caller's end user; accepted and not used.")
 
     def _params(self, max_tokens: int | None, top_logprobs: int | None, seed_offset: int) -> SamplingParams:
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
@@ -119,8 +135,8 @@ PromptIds = Annotated[list[int], Field(min_length=1)]
 
 class CompletionRequest(OpenAISampling):
     prompt: (
-        str
-        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
         | PromptIds
         | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     ) = Field(description="A prompt (text or token ids) or a list of prompts.")
@@ -156,14 +172,14 @@ class CompletionRequest(OpenAISampling):
 class TextPart(BaseModel):
     model_config = STRICT
     type: Literal["text"] = Field(description="Only text parts are supported.")
-    text: str = Field(description="The text.")
+    text: Text = Field(description="The text.")
 
 
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"] = Field(description="Who speaks.")
-    content: str | list[TextPart] = Field(description="The message: a string or a list of text parts.")
-    name: str | None = Field(None, description="A speaker's name; accepted and not used.")
+    content: Text | list[TextPart] = Field(description="The message: a string or a list of text parts.")
+    name: Text | None = Field(None, description="A speaker's name; accepted and not used.")
 
     def as_template_message(self) -> dict[str, str]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -3,8 +3,9 @@
 The engine is not thread-safe, so only the loop thread touches it. The asyncio side posts commands
 (add, abort, flush, stop) to a thread-safe queue, which the thread drains between steps; each step's
 outputs go back to the requests' streams through `loop.call_soon_threadsafe` (one call per
-event loop per step). Tokenisation and chat templating happen in the thread, so the event loop never
-runs tokenizer code. A step that raises fails the requests it may have touched and the loop goes on
+event loop per step). Tokenisation and chat templating happen on a thread of their own
+(`specserve/engine/prompt_encoder.py`): neither the event loop nor the engine thread runs them, so a
+long prompt holds up no other request. A step that raises fails the requests it may have touched and the loop goes on
 (or, with `fail_on_step_error`, the whole engine fails: what a Ray Serve replica wants, so that it is
 replaced).
 
@@ -33,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.api.client import (
-    ChatPrompt,
     EngineOverloaded,
     EngineStepError,
     EngineUnavailable,
@@ -41,8 +41,8 @@ from specserve.api.client import (
     Prompt,
 )
 from specserve.engine.engine import Engine
+from specserve.engine.prompt_encoder import PromptEncoder
 from specserve.metrics import LOCAL, EngineMetrics, fleet_exposition, merge_expositions
-from specserve.model.tokenizer import chat_prompt_ids
 from specserve.types import RequestOutput, SamplingParams, joined
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ class AsyncEngine:
             created=int(time.time()),
         )
         self.model_name = self._info.name
+        self._encoder = PromptEncoder(engine.tokenizer, engine.max_model_len)
         self.metrics = EngineMetrics(self.model_name, replica)
         engine.attach_stats_sink(self.metrics)  # before the thread starts: it is the only stepper after
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -205,6 +206,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
+        prompt = await self._prompt_ids(prompt)
         stream = _Stream(loop, loop.create_future())
         self._open_stream(stream)
         done = False  # the engine thread told this caller the request is over: nothing to abort
@@ -229,6 +231,23 @@ class AsyncEngine:
                 self._open.discard(stream)
             if not done:  # closed or cancelled early (a client went away), or failed: free its pages
                 self._post(_Abort(request_id, stream=stream), quiet=True)
+
+    async def _prompt_ids(self, prompt: Prompt) -> Prompt:
+        """Text and chat prompts as token ids, off the engine thread (`PromptEncoder`)."""
+        self._check_serving()
+        try:
+            return await self._encoder.ids(prompt)
+        except RuntimeError:
+            self._check_serving()  # its thread stopped with the engine: a 503, as for any request now
+            raise
+
+    def _check_serving(self) -> None:
+        with self._cv:
+            failure, accepting = self._failure, self._accepting
+        if failure is not None:
+            raise EngineUnavailable(f"the engine failed: {failure}")
+        if not accepting:
+            raise EngineUnavailable("the engine is shutting down")
 
     def _stream_interval(self) -> float:
         """Seconds a stream leaves between two outputs: its share of `stream_messages_per_s`."""
@@ -295,6 +314,7 @@ class AsyncEngine:
         """Abort every request (their iterators end with finish_reason "abort"), stop the thread."""
         self._post(_Stop(), quiet=True)
         self._thread.join(timeout)
+        self._encoder.close()
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until every posted command is handled and no request is left; False on timeout
@@ -408,10 +428,7 @@ class AsyncEngine:
             command.reply.send(error=overloaded)
             return
         try:
-            prompt = command.prompt
-            if isinstance(prompt, ChatPrompt):
-                prompt = chat_prompt_ids(self.engine.tokenizer, prompt.messages)
-            self.engine.add_request(prompt, command.params, command.request_id)
+            self.engine.add_request(command.prompt, command.params, command.request_id)
         except Exception as exc:  # ValueError names the field; anything else must not kill the thread
             if not isinstance(exc, ValueError):
                 log.exception("admitting request %s failed", command.request_id)

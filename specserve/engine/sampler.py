@@ -5,7 +5,8 @@ Semantics, per row (``filtered_probs_ref`` is the executable statement of them):
 1. Banned tokens (``banned[b, v]``, used for ``min_new_tokens``) get probability 0.
 2. ``temperature == 0`` is greedy: the argmax of the raw logits with banned tokens excluded, ties
    going to the lowest id (``torch.argmax`` semantics). Its distribution is that one-hot.
-3. Otherwise ``p = softmax(logits / temperature)``, then
+3. Otherwise ``p = softmax(logits / max(temperature, MIN_TEMPERATURE))`` (a temperature of 1e-38
+   overflowed the division, and every row came out NaN: token 0, silently), then
    - top-k (``top_k > 0``) keeps the ``k`` most probable tokens;
    - top-p (``top_p < 1``) renormalises what top-k kept and keeps the smallest prefix, in descending
      probability, whose cumulative mass is ``>= top_p`` (always at least one token);
@@ -43,6 +44,9 @@ _MUL_B = 0x735A2D97
 _SALT_SEED = 0x3C6EF372
 _SALT_COUNTER = 0x1B873593
 _SALT_TOKEN = 0x5BD1E995
+# Logits over this temperature stay finite in float32 (|logit| < 3e8): below it the division
+# overflowed. Every distribution this low is the argmax's (ties aside) anyway.
+MIN_TEMPERATURE = 1e-30
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ def filtered_probs(
     greedy = batch.temperature <= 0
     # Greedy rows get a dummy temperature here; their result is replaced by the one-hot below.
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    temperature = temperature.clamp(min=MIN_TEMPERATURE)
     scaled = masked / temperature.unsqueeze(-1)
     if batch.any_top_k or batch.any_top_p:
         probs = _sorted_filter(scaled, batch)
@@ -209,7 +214,8 @@ def _sorted_filter(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # prefix reaching top_p. The shifted cumsum makes rank 0 always kept.
         before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
         top_p = batch.top_p.unsqueeze(-1)
-        keep &= (before < top_p * cum[:, -1:]) | (top_p >= 1.0)
+        # rank 0 named too: a top_p below float32's least (1e-46) is 0 here, and then nothing was kept
+        keep &= (before < top_p * cum[:, -1:]) | (top_p >= 1.0) | (rank == 0)
     if batch.any_min_p:
         # Ratio test, so it needs no renormalisation; p[:, 0] is the maximum and is always kept.
         keep &= p >= batch.min_p.unsqueeze(-1) * p[:, :1]
@@ -302,7 +308,7 @@ def filtered_probs_ref(
         out = torch.zeros(vocab, dtype=torch.float64)
         out[int(torch.argmax(x))] = 1.0
         return out
-    p = torch.softmax(x / row.temperature, dim=0).tolist()
+    p = torch.softmax(x / max(row.temperature, MIN_TEMPERATURE), dim=0).tolist()
     values = x.tolist()
     # Descending probability == descending logit; Python's sort is stable, so ties keep id order.
     kept = sorted(range(vocab), key=lambda i: -values[i])
