@@ -186,3 +186,33 @@ def test_every_schema_field_is_described(served):
     assert undescribed == []
     schema = served.http.get("/openapi.json")
     assert schema.status_code == 200 and "/generate" in schema.json()["paths"]
+
+
+def test_a_client_gone_away_is_a_quiet_499_and_a_fault_a_logged_500(caplog):
+    """Under Ray Serve a disconnect reaches the ingress as Ray's TaskCancelledError (`make_app`'s
+    `disconnects`), which was logged as a failed request with a 50-line traceback."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from specserve.api.errors import install_error_handlers
+
+    class Gone(Exception):
+        pass
+
+    app = FastAPI()
+    install_error_handlers(app, disconnects=(Gone,))
+
+    @app.get("/gone")
+    async def gone():
+        raise Gone("cancelled")
+
+    @app.get("/broken")
+    async def broken():
+        raise RuntimeError("a bug")
+
+    http = TestClient(app, raise_server_exceptions=False)
+    with caplog.at_level("INFO", logger="specserve.api.errors"):
+        assert http.get("/gone").status_code == 499
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert http.get("/broken").status_code == 500
+        assert [r for r in caplog.records if r.levelname == "ERROR"]

@@ -27,14 +27,15 @@ def make_app(
     replica: str = LOCAL,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    disconnects: tuple[type[BaseException], ...] = (),
 ) -> FastAPI:
     """`replica`: this app's label on its HTTP metrics (the ingress replica id under Ray Serve).
     `api_key`: when set, every route but /health needs it as a Bearer token. `max_body_bytes`: a
-    bigger request body is a 413."""
+    bigger request body is a 413. `disconnects`: the host's exceptions for a client gone away."""
     app = FastAPI(title=title, version=__version__)
     app.state.engine_client = client
     app.state.http_metrics = http_metrics = HttpMetrics(client.model_name, replica)
-    install_error_handlers(app)
+    install_error_handlers(app, disconnects)
     # The last added runs first: count every response (401s and 413s too), then authenticate before
     # anything of the body is read, then cap the body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)

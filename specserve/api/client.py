@@ -26,6 +26,15 @@ Prompt = str | Sequence[int] | ChatPrompt
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A request an engine replica refused (bad input: a ValueError naming the field; or overload),
+    sent back as a value rather than raised: Ray Serve logs every exception a replica raises as a
+    failed request with its traceback, ~34 lines for each 400. `HandleClient` raises `error`."""
+
+    error: Exception
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What `/v1/models` and request validation need to know of the served model."""
 

@@ -154,7 +154,11 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     return ApiError(400, message, param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, disconnects: tuple[type[BaseException], ...] = ()) -> None:
+    """`disconnects`: exceptions that mean the client went away (besides starlette's
+    `ClientDisconnect`): under Ray Serve the proxy cancels the ingress's task, whose next read raises
+    Ray's TaskCancelledError, which was logged as a failed request with a 50-line traceback."""
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
@@ -174,7 +178,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, ClientDisconnect):  # the client left mid-stream: nothing went wrong here
+        if isinstance(exc, (ClientDisconnect, *disconnects)):  # the client left: nothing went wrong here
+            log.info("request %s %s: the client disconnected", request.method, request.url.path)
             return ApiError(499, "the client disconnected").response()
         log.exception("request %s %s failed", request.method, request.url.path)
         return ApiError(500, f"internal error: {type(exc).__name__}").response()

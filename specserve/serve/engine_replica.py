@@ -23,7 +23,7 @@ from typing import Any
 
 from ray import serve
 
-from specserve.api.client import ModelInfo, Prompt
+from specserve.api.client import EngineOverloaded, ModelInfo, Prompt, Refusal
 from specserve.serve.autoscaling import LoadReport
 from specserve.serve.config import ServeConfig
 from specserve.serve.metrics_hub import MetricsPusher, current_replica
@@ -86,9 +86,12 @@ class EngineReplica:
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str
-    ) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(prompt, params, request_id):
-            yield out
+    ) -> AsyncIterator[RequestOutput | Refusal]:
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                yield out
+        except (ValueError, EngineOverloaded) as err:  # the client's input, or load: no failure here
+            yield Refusal(err)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)

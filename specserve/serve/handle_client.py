@@ -22,7 +22,7 @@ from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 from ray.serve.handle import DeploymentHandle
 
-from specserve.api.client import EngineOverloaded, EngineUnavailable, ModelInfo, Prompt
+from specserve.api.client import EngineOverloaded, EngineUnavailable, ModelInfo, Prompt, Refusal
 from specserve.serve.metrics_hub import HubReader
 from specserve.types import RequestOutput, SamplingParams
 
@@ -61,6 +61,8 @@ class HandleClient:
             # `.remote()` itself may refuse (the deployment's queue is full): translate that too.
             call = self._inflight[request_id] = self._stream.generate.remote(prompt, params, request_id)
             async for out in call:
+                if isinstance(out, Refusal):
+                    raise out.error
                 finished = out.finished
                 yield out
         except Exception as err:

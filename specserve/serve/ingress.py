@@ -37,9 +37,14 @@ class Ingress:
         self.pusher: MetricsPusher | None = None
 
     def __serve_build_asgi_app__(self):
+        from ray.exceptions import TaskCancelledError
+
         from specserve.api.app import make_app
 
-        app = make_app(self.client, replica=self.replica_id, **self.api_options)
+        # The proxy cancels this task when the client disconnects: a 499, not a failed request.
+        app = make_app(
+            self.client, replica=self.replica_id, disconnects=(TaskCancelledError,), **self.api_options
+        )
         # Its HTTP counts go to the hub too, so a scrape of any one ingress replica has every one's.
         self.pusher = MetricsPusher(
             self.client.model_name,
