@@ -24,7 +24,7 @@ BAD = [
     (COMPLETIONS, {"prompt": "x", "temperature": 2.5}, "temperature"),
     (COMPLETIONS, {"prompt": "x", "frobnicate": 1}, "frobnicate"),
     (COMPLETIONS, {"temperature": 0}, "prompt"),
-    (COMPLETIONS, {"prompt": []}, "prompt"),
+    (COMPLETIONS, {"prompt": []}, "prompt"),  # "at least 1 item", not "should be a valid string"
     (COMPLETIONS, {"prompt": 5}, "prompt"),
     (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt"),
     (COMPLETIONS, {"prompt": [7] * 600}, "prompt"),
@@ -148,6 +148,11 @@ def test_malformed_bodies(served, content):
     response = served.http.post(COMPLETIONS, content=content, headers={"content-type": "application/json"})
     _assert_400(response, None)
     assert served.http.get("/health").status_code == 200
+
+
+def test_an_empty_prompt_list_is_called_empty(served):
+    message = served.http.post(COMPLETIONS, json={"prompt": []}).json()["error"]["message"]
+    assert message.startswith("prompt: List should have at least 1 item"), message
 
 
 def test_unknown_route_and_method_keep_the_error_shape(served):

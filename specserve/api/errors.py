@@ -136,9 +136,14 @@ def param_of(loc: Sequence[Any]) -> str | None:
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """The error that got deepest: of a union's members, the one the input came closest to. A list
-    over its cap goes first: its shape matched a member, and every other member fails item by item
-    (65 prompts of ids would otherwise read as "prompt[0]: should be an integer")."""
-    first = max(errors, key=lambda e: (e.get("type") == "too_long", len(e.get("loc", ()))), default=None)
+    over its cap, or under its least, goes first: its shape matched a member, and every other member
+    fails item by item (65 prompts of ids would otherwise read as "prompt[0]: should be an integer",
+    and an empty prompt list as "prompt: should be a valid string")."""
+    first = max(
+        errors,
+        key=lambda e: (e.get("type") in ("too_long", "too_short"), len(e.get("loc", ()))),
+        default=None,
+    )
     first = first or {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg')}")
