@@ -31,6 +31,10 @@ class AssetError(RuntimeError):
     """A named asset could not be resolved, downloaded, extracted or verified."""
 
 
+class ModelNotFound(AssetError, ValueError):
+    """A model name or path that names nothing: a bad argument (a ValueError), not a failed download."""
+
+
 @dataclass(frozen=True)
 class Asset:
     name: str
@@ -339,7 +343,7 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> ModelLocation:
     found = _model_from_path(Path(name_or_path).expanduser())
     if isinstance(found, ModelLocation):
         return found
-    raise AssetError(
+    raise ModelNotFound(
         f"cannot resolve model {name_or_path!r}: it is not an asset name (known: {_known_names()}), "
         f"and as a path: {found}. Expected an existing .gguf file, a folder with config.json "
         "(HF format), or a folder containing exactly one .gguf file."
@@ -356,14 +360,16 @@ def dataset_path(name: str, *, progress: bool = True) -> Path:
 
 def main_pull(names: list[str]) -> int:
     """`specserve pull NAME...`: print each cached path; errors go to stderr without a traceback."""
-    if not names:
-        print(f"specserve pull: give at least one asset name; known: {_known_names()}", file=sys.stderr)
-        return 1
+    if not names or not all(_is_asset_name(name) for name in names):  # a usage error: exit 2
+        unknown = [name for name in names if not _is_asset_name(name)]
+        given = f"unknown asset names {unknown}" if unknown else "give at least one asset name"
+        print(f"specserve pull: error: {given}; known: {_known_names()}", file=sys.stderr)
+        return 2
     status = 0
     for name in names:
         try:
             print(pull(name))
-        except AssetError as exc:
+        except AssetError as exc:  # the download or its check failed
             print(f"specserve pull {name}: error: {exc}", file=sys.stderr)
             status = 1
     return status

@@ -23,7 +23,10 @@ from specserve.bench_data import add_dataset_arguments, cycle, prompt_texts
 from specserve.bench_plot import plot_throughput
 from specserve.bench_report import format_table, run_info, write_json
 from specserve.cli_spec_args import (
+    DEFAULT_NUM_STEPS,
     add_speculative_arguments,
+    count,
+    counts,
     draft_slots,
     parse_spec,
     spec_name,
@@ -63,11 +66,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m-instruct", help="asset name, .gguf file or HF folder"
     )
     add_dataset_arguments(parser)
-    parser.add_argument("--batch-sizes", default="1,64", help="comma-separated batch sizes")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument(
+        "--batch-sizes", type=counts, default=[1, 64], help="comma-separated batch sizes (default: 1,64)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=count(),
+        default=256,
+        help="tokens each request generates, EOS ignored (default: 256)",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (CUDA when there is a GPU), cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), or a torch dtype name"
+    )
+    parser.add_argument("--page-size", type=count(), default=1, help="KV page size in tokens (default: 1)")
     parser.add_argument(
         "--attention-backend",
         default="auto",
@@ -106,27 +120,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=count(),
         default=3,
-        help="timed runs per engine and batch size (the lower median is reported: of two, the faster)",
+        help="timed runs per engine and batch size (the lower median is reported: of two, the faster; default: 3)",
     )
     parser.add_argument(
         "--min-prompts",
-        type=int,
+        type=count(),
         default=16,
         help="distinct prompts each batch size covers at least: batch size B runs ceil(N / B) batches "
         "of B prompts back to back (so batch 1 is a mean over N prompts, not one prompt's text); "
-        "HF generate runs the first batch only",
+        "HF generate runs the first batch only (default: 16)",
     )
     parser.add_argument(
         "--min-batches",
-        type=int,
+        type=count(),
         default=1,
         help="batches each batch size runs back to back at least (prompts cycle where the data set is "
         "shorter): a large batch's run of one batch lasts a fraction of a second, so its figure is "
-        "noisy and an adaptive policy's moves after the batch size changed weigh in it",
+        "noisy and an adaptive policy's moves after the batch size changed weigh in it (default: 1)",
     )
-    parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
+    parser.add_argument(
+        "--out", default="bench.json", help="where to write the JSON results (default: bench.json)"
+    )
     parser.add_argument("--plot", default=None, help="where to write the PNG (default: --out with .png)")
 
 
@@ -138,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         specs = _specs(args)
-        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        batch_sizes = args.batch_sizes
         where = EngineConfig(
             model=args.model,
             device=args.device,
@@ -147,15 +163,13 @@ def run(args: argparse.Namespace) -> int:
             cache=CacheConfig(page_size=args.page_size),
         )
         attention_backend(where)  # before the model loads: e.g. "flash" where it does not import
+        texts = prompt_texts(args.dataset, seed=args.seed, max_chars=args.max_prompt_chars)
+        loaded = load_model(args.model, where.torch_device(), where.torch_dtype())  # once, for every engine
     except ValueError as err:
         print(f"specserve bench: error: {err}", file=sys.stderr)
         return 2
-    loaded = load_model(args.model, where.torch_device(), where.torch_dtype())  # once, for every engine
     room = loaded.arch.max_position - args.max_new_tokens - _max_steps(specs) - 1
-    chats = [
-        chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": text}])
-        for text in prompt_texts(args.dataset, seed=args.seed, max_chars=args.max_prompt_chars)
-    ]
+    chats = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": text}]) for text in texts]
     fitting = [ids for ids in chats if len(ids) <= room]
     if not fitting:
         print(f"specserve bench: error: no {args.dataset} prompt fits {room} tokens", file=sys.stderr)
@@ -167,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
     plain = engines[PLAIN]
     hf = _load_hf(plain) if args.peer == "hf" else None
-    lookup = _prompt_lookup_tokens(specs, args.num_steps)
+    lookup = _prompt_lookup_tokens(specs, args.num_steps or DEFAULT_NUM_STEPS)
     for engine in engines.values():
         _time_engine(engine, [prompts[:2]], WARMUP_TOKENS)
     if hf is not None:
@@ -250,7 +264,8 @@ def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, slots: int,
     rounding included): engines share the GPU, so none may size its pool from free memory and
     starve the next."""
     longest = max(len(p) for p in prompts)
-    return batch * (longest + args.max_new_tokens + slots + 1 + 2 * args.page_size)
+    new = max(args.max_new_tokens, WARMUP_TOKENS)  # the warm-up's requests too
+    return batch * (longest + new + slots + 1 + 2 * args.page_size)
 
 
 def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batch: int, pool: int):

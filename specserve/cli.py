@@ -22,11 +22,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="smollm2-135m-instruct", help="asset name, .gguf file or HF folder")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default: 0, greedy)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default: 1)")
+    gen.add_argument(
+        "--top-k", type=int, default=-1, help="sample among the k likeliest tokens (default: -1, off)"
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, help="sampler seed: same seed, same output (default: none)"
+    )
     add_speculative_arguments(gen)
     gen.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")

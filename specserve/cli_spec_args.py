@@ -19,18 +19,46 @@ ADAPTIVE_NUM_STEPS = 8  # the longest chain of `METHOD:adaptive` (shorter ones a
 DEFAULT_MODEL = "smollm2-135m-instruct"  # what every command serves without --model
 
 
-def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+def count(least: int = 1):
+    """An argparse type: an integer of at least `least` (a bad one is a usage error naming the flag)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def counts(text: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (`--batch-sizes 1,16,64`)."""
+    return [count()(part.strip()) for part in text.split(",")]
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser, default: str = "off") -> None:
+    """`default`: what the command does without --speculative, for the help text."""
     parser.add_argument(
         "--speculative",
         default=None,
         choices=(*SPEC_METHODS, "default"),
-        help="speculative method (default: off); `default`: the model's shipped draft head, else n-gram",
+        help=f"speculative method (default: {default}); `default`: the model's shipped draft head, else n-gram",
     )
     parser.add_argument(
-        "--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="draft tokens per step with --speculative"
+        "--num-steps",
+        type=int,
+        default=None,
+        help=f"draft tokens per step with --speculative (default: {DEFAULT_NUM_STEPS}; `default`: the head's own)",
     )
     parser.add_argument(
-        "--topk", type=int, default=1, help="candidates per draft-tree node with --speculative (1: a chain)"
+        "--topk",
+        type=int,
+        default=None,
+        help="candidates per draft-tree node with --speculative (default: 1, a chain)",
     )
     parser.add_argument(
         "--num-draft-tokens",
@@ -60,26 +88,42 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict | None:
+    """The speculative config the flags name; ValueError naming a flag that needs --speculative."""
     adaptive = getattr(args, "adaptive", False)
     vocab = draft_vocab_setting(args)
+    shape = shape_setting(args)
     method = args.speculative or ("default" if adaptive or vocab else None)
     if not method:
+        given = next((flag for flag, value in _shape_flags(args) if value is not None), None)
+        if given:
+            raise ValueError(f"{given}: needs --speculative (or --adaptive)")
         return None
-    if method == "default":  # its own num_steps and draft model
+    if method == "default":  # its own draft model, and its own num_steps unless given
         from specserve.default_drafter import default_speculative
 
-        spec = {**default_speculative(getattr(args, "model", None) or DEFAULT_MODEL), **vocab}
+        spec = {**default_speculative(getattr(args, "model", None) or DEFAULT_MODEL), **shape, **vocab}
         return {**spec, "adaptive": True} if adaptive else spec
-    spec = {"method": method, "num_steps": args.num_steps, **vocab}
-    if args.topk != 1:
-        spec["topk"] = args.topk
-    if args.num_draft_tokens is not None:
-        spec["num_draft_tokens"] = args.num_draft_tokens
+    spec = {"method": method, "num_steps": DEFAULT_NUM_STEPS, **shape, **vocab}
     if args.draft_model:
         spec["draft_model"] = args.draft_model
     if adaptive:
         spec["adaptive"] = True
     return spec
+
+
+def shape_setting(args: argparse.Namespace) -> dict:
+    """`--num-steps`, `--topk`, `--num-draft-tokens` as speculative settings, those given only."""
+    names = ("num_steps", "topk", "num_draft_tokens")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def _shape_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
+    return [
+        ("--num-steps", args.num_steps),
+        ("--topk", args.topk),
+        ("--num-draft-tokens", args.num_draft_tokens),
+        ("--draft-model", args.draft_model),
+    ]
 
 
 def draft_vocab_setting(args: argparse.Namespace) -> dict:

@@ -25,6 +25,11 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _is_count(value: object, least: int = 1) -> bool:
+    """An integer (not a bool, not a float) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def _require_known(fields: Mapping, cls: type, name: str) -> None:
     unknown = set(fields) - set(cls.__dataclass_fields__)
     _require(not unknown, name, f"unknown settings {sorted(unknown)}")
@@ -42,16 +47,17 @@ class CacheConfig:
     gpu_memory_fraction: float = 0.85
 
     def validate(self) -> None:
+        _require(_is_count(self.page_size), "page_size", "must be an integer >= 1")
         _require(
-            isinstance(self.page_size, int) and self.page_size >= 1, "page_size", "must be an integer >= 1"
-        )
-        _require(
-            self.max_total_tokens is None
-            or (isinstance(self.max_total_tokens, int) and self.max_total_tokens >= 1),
+            self.max_total_tokens is None or _is_count(self.max_total_tokens),
             "max_total_tokens",
             "must be null or an integer >= 1",
         )
-        _require(0 < self.gpu_memory_fraction <= 1, "gpu_memory_fraction", "must be in (0, 1]")
+        _require(
+            _is_number(self.gpu_memory_fraction) and 0 < self.gpu_memory_fraction <= 1,
+            "gpu_memory_fraction",
+            "must be in (0, 1]",
+        )
         _require(
             self.enable_prefix_cache in (None, True, False),
             "enable_prefix_cache",
@@ -69,8 +75,9 @@ class SchedulerConfig:
     chunked_prefill: bool = True
 
     def validate(self) -> None:
-        _require(self.max_running_requests >= 1, "max_running_requests", "must be >= 1")
-        _require(self.max_batched_tokens >= 1, "max_batched_tokens", "must be >= 1")
+        _require(_is_count(self.max_running_requests), "max_running_requests", "must be an integer >= 1")
+        _require(_is_count(self.max_batched_tokens), "max_batched_tokens", "must be an integer >= 1")
+        _require(isinstance(self.chunked_prefill, bool), "chunked_prefill", "must be true or false")
 
 
 SPEC_METHODS = ("ngram", "standalone", "eagle", "eagle3", "mtp")
@@ -184,6 +191,13 @@ class AdaptiveConfig:
         return cls(**fields)
 
 
+def _is_device(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    kind, _, index = value.partition(":")
+    return value in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit())
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -248,7 +262,7 @@ class SpeculativeConfig:
             else "is not used by method 'ngram'",
         )
         _require(
-            isinstance(self.num_steps, int) and 1 <= self.num_steps <= 64,
+            _is_count(self.num_steps) and self.num_steps <= 64,
             "speculative.num_steps",
             "must be an integer in [1, 64]",
         )
@@ -273,10 +287,11 @@ class SpeculativeConfig:
             "speculative.num_draft_tokens",
             f"must be null or an integer in [1, {MAX_DRAFT_TOKENS}]",
         )
+        _require(_is_count(self.ngram_max_match), "speculative.ngram_max_match", "must be an integer >= 1")
         _require(
-            1 <= self.ngram_min_match <= self.ngram_max_match,
+            _is_count(self.ngram_min_match) and self.ngram_min_match <= self.ngram_max_match,
             "speculative.ngram_min_match",
-            "must be >= 1 and <= ngram_max_match",
+            "must be an integer >= 1 and <= ngram_max_match",
         )
         if self.adaptive is not None:
             self.adaptive.validate(self)
@@ -378,17 +393,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and bool(self.model), "model", "must be a non-empty string")
-        _require(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-            "device",
-            "must be 'auto', 'cpu' or 'cuda[:N]'",
-        )
+        _require(_is_device(self.device), "device", "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         _require(
             self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be 'auto' or one of {list(DTYPES)}"
         )
         _require(
-            self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be null or >= 1"
+            self.max_model_len is None or _is_count(self.max_model_len),
+            "max_model_len",
+            "must be null or an integer >= 1",
         )
+        _require(_is_count(self.seed, 0) and self.seed < 2**63, "seed", "must be an integer in [0, 2**63)")
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
@@ -467,9 +481,21 @@ class EngineConfig:
         return replace(self, cuda_graphs=False, cache=replace(cache, enable_prefix_cache=False))
 
     def torch_device(self) -> torch.device:
+        """Where the engine runs; ValueError naming `device` for a GPU this process cannot see."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            _require(
+                count > 0, "device", f"{self.device!r}, but this torch sees no CUDA GPU; use 'cpu' or 'auto'"
+            )
+            _require(
+                device.index is None or device.index < count,
+                "device",
+                f"{self.device!r}, but this process sees {count} CUDA GPU(s)",
+            )
+        return device
 
     def use_cuda_graphs(self) -> bool:
         """Whether steps run through the bucketed static-buffer path (captured on CUDA)."""

@@ -136,12 +136,13 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+    # bytes are a Sequence of ints: b"hello" was read as five token ids
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes | bytearray) or len(prompts) == 0:
         raise ValueError("prompts: must be a string, a list of token ids, or a non-empty list of those")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [list(prompts)]
     for p in prompts:
-        if not isinstance(p, str | Sequence):
+        if not isinstance(p, str | Sequence) or isinstance(p, bytes | bytearray):
             raise ValueError("prompts: every prompt must be a string or a list of token ids")
     return list(prompts)
 
@@ -151,6 +152,8 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, Sequence):
+        raise ValueError(f"sampling_params: give one SamplingParams or a list of {n}")
     params = list(params)
     if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError(f"sampling_params: give one SamplingParams or a list of {n}")

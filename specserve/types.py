@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -20,7 +21,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (not a bool): a temperature of infinity sampled uniformly, with no error."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,11 @@ class SamplingParams:
             "min_new_tokens",
             "must not exceed max_new_tokens",
         )
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be a number >= 0")
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be a finite number >= 0",
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         # Bounded like the seed: the sampler packs it into an int64 tensor (any k >= the vocabulary is off).
         _check(

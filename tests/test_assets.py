@@ -273,12 +273,13 @@ def test_main_pull_exit_codes(cache: Path, monkeypatch, fake_download, capsys) -
     out = capsys.readouterr().out
     assert out.strip() == str(cache / "assets" / "fake" / "fake-model.gguf")
 
-    assert assets.main_pull(["fake", "bogus"]) == 1
+    # An unknown name is a usage error (exit 2, as argparse's): refused before anything is pulled.
+    assert assets.main_pull(["fake", "bogus"]) == 2
     captured = capsys.readouterr()
-    assert "fake-model.gguf" in captured.out
-    assert "unknown asset 'bogus'" in captured.err and "Traceback" not in captured.err
+    assert not captured.out
+    assert "unknown asset names ['bogus']" in captured.err and "Traceback" not in captured.err
 
-    assert assets.main_pull([]) == 1
+    assert assets.main_pull([]) == 2
 
 
 # --------------------------------------------------------------------------- real network

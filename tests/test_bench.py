@@ -178,3 +178,12 @@ def test_mixed_prompts_pick_code_edits_and_summaries_by_rule(tmp_path):
     assert prompt_texts(str(path)) == mixed
     with pytest.raises(ValueError, match="dataset: 'nope' is neither"):
         prompt_texts("nope")
+
+
+def test_the_kv_pool_holds_the_warm_up_whatever_max_new_tokens():
+    """`--max-new-tokens 4` at batch 1 crashed in the warm-up, which generates 8 tokens a request."""
+    from specserve.bench import WARMUP_TOKENS, _pool_tokens
+
+    args = argparse.Namespace(max_new_tokens=1, page_size=1)
+    prompts = [[1] * 50, [2] * 60]
+    assert _pool_tokens(prompts, args, slots=0, batch=1) >= 60 + WARMUP_TOKENS + 1

@@ -79,8 +79,45 @@ def test_generate_reports_bad_arguments(tiny_folder, capsys):
     assert "temperature" in capsys.readouterr().err
 
 
+def test_shape_flags_reach_the_default_drafter_and_need_a_method(tiny_folder, tmp_path, capsys):
+    import argparse
+
+    from specserve.cli_spec_args import add_speculative_arguments, speculative_from_args
+    from specserve.serve.launch import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_speculative_arguments(parser)
+    parser.add_argument("--model", default=str(tiny_folder))
+    given = speculative_from_args(
+        parser.parse_args(["--speculative", "default", "--num-steps", "7", "--topk", "2"])
+    )
+    assert (given["num_steps"], given["topk"]) == (7, 2)  # were the head's own 3, and a chain
+    assert speculative_from_args(parser.parse_args(["--speculative", "ngram"]))["num_steps"] == 4
+    with pytest.raises(ValueError, match="--num-steps: needs --speculative"):  # was plain decoding
+        speculative_from_args(parser.parse_args(["--num-steps", "7"]))
+    serve = argparse.ArgumentParser()
+    add_arguments(serve)
+    config = config_from_args(serve.parse_args(["--speculative", "default", "--num-steps", "7"]))
+    assert config["speculative"] == {"method": "default", "num_steps": 7}
+    # usage errors: exit 2 naming the flag
+    assert main(["generate", "--model", str(tiny_folder), "--prompt", "Hi", "--num-steps", "7"]) == 2
+    assert "--num-steps" in capsys.readouterr().err
+    out = str(tmp_path / "b.json")
+    for bad in (
+        ["--batch-sizes", "0"],
+        ["--batch-sizes", "abc"],
+        ["--repeats", "0"],
+        ["--max-new-tokens", "0"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "--model", str(tiny_folder), "--out", out, *bad])
+        assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err
+    assert main(["bench", "--model", str(tmp_path / "nothing"), "--out", out]) == 2
+    assert "model: cannot resolve" in capsys.readouterr().err
+
+
 def test_pull_unknown_asset_fails_cleanly(capsys):
-    assert main(["pull", "no-such-asset"]) == 1
+    assert main(["pull", "no-such-asset"]) == 2  # a usage error
     assert "no-such-asset" in capsys.readouterr().err
 
 

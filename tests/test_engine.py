@@ -223,6 +223,8 @@ def test_chat_and_token_id_prompts(llm):
         ({"top_logprobs_num": -1}, "top_logprobs_num"),
         ({"logprob_start_len": -2}, "logprob_start_len"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),  # sampled uniformly, with no error
+        ({"top_p": float("nan")}, "top_p"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field):
@@ -253,6 +255,49 @@ def test_bad_requests_name_the_field(llm):
         LLM(llm.engine.loaded, device="cpu", dtype="float32", page_size=0)
     with pytest.raises(ValueError, match="dtype"):
         LLM(llm.engine.loaded, dtype="float64")
+    with pytest.raises(ValueError, match="prompts"):  # bytes were read as token ids
+        llm.generate(b"hello", GREEDY)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate("hello", 5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"device": 5}, "device"),  # an AttributeError
+        ({"device": "cudafoo"}, "device"),  # a RuntimeError from torch
+        ({"device": "cuda:99"}, "device"),  # no such GPU here (or none at all)
+        ({"max_running_requests": "4"}, "max_running_requests"),  # a TypeError
+        ({"max_running_requests": 2.5}, "max_running_requests"),
+        ({"chunked_prefill": "no"}, "chunked_prefill"),  # truthy: it turned chunked prefill on
+        ({"seed": -1}, "seed"),
+        ({"max_model_len": 1.5}, "max_model_len"),
+        ({"max_model_len": 10**6}, "max_model_len"),  # cut to the model's without a word
+        ({"speculative": {"method": "ngram", "ngram_min_match": "1"}}, "ngram_min_match"),
+        ({"speculative": {"method": "ngram", "num_steps": True}}, "num_steps"),
+    ],
+)
+def test_bad_engine_settings_name_the_setting(loaded, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(loaded, **{"dtype": "float32", **kwargs})
+
+
+def test_a_model_that_is_not_there_or_broken_names_the_setting(tmp_path):
+    with pytest.raises(ValueError, match="model: cannot resolve model"):
+        LLM(str(tmp_path / "nothing"), device="cpu")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="model: .*lacks 'hidden_size'"):  # a KeyError
+        LLM(str(tmp_path), device="cpu")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf")
+    with pytest.raises(ValueError, match="model: .*junk.gguf"):
+        LLM(str(junk), device="cpu")
+    with pytest.raises(ValueError, match="speculative.draft_model: cannot resolve"):
+        LLM(
+            "smollm2-135m-instruct",
+            device="cpu",
+            speculative={"method": "standalone", "draft_model": str(tmp_path / "x")},
+        )
 
 
 def test_failed_batch_leaves_no_request_behind(llm, prompts):

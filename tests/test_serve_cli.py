@@ -94,4 +94,16 @@ def test_specserve_serve_rejects_bad_flags():
     result = subprocess.run(
         [sys.executable, "-P", "-m", "specserve.cli", "serve", "--tp", "0"], capture_output=True, text=True
     )
-    assert result.returncode == 2 and "tp_size" in result.stderr
+    assert result.returncode == 2 and "--tp:" in result.stderr  # the flag as typed, not the config field
+    both = [
+        sys.executable,
+        "-P",
+        "-m",
+        "specserve.cli",
+        "serve",
+        "--no-speculative",
+        "--speculative",
+        "ngram",
+    ]
+    result = subprocess.run(both, capture_output=True, text=True)
+    assert result.returncode == 2 and "--no-speculative contradicts" in result.stderr

@@ -506,7 +506,9 @@ class Engine:
             )
         # Under TP the loaded target is this rank's shard: the drafter needs a whole model.
         same = spec.draft_model == self.config.model and self.tp.size == 1
-        return self.loaded if same else load_model(spec.draft_model, self.device, self.dtype)
+        if same:
+            return self.loaded
+        return load_model(spec.draft_model, self.device, self.dtype, field="speculative.draft_model")
 
     def _make_drafter(self, weights: DraftHead | LoadedModel | None, num_pages: int) -> Drafter | None:
         spec = self.config.speculative
@@ -1004,8 +1006,13 @@ def drafter_backend(target: AttentionBackend) -> AttentionBackend:
 
 
 def context_length(config: EngineConfig, arch: ModelArch) -> int:
-    """The longest sequence (prompt + output) a request may have: `max_model_len`, within the model's."""
-    return min(config.max_model_len or arch.max_position, arch.max_position)
+    """The longest sequence (prompt + output) a request may have: `max_model_len`, within the model's
+    (past it: a ValueError; it was cut to the model's without a word, the config still saying more)."""
+    if config.max_model_len is not None and config.max_model_len > arch.max_position:
+        raise ValueError(
+            f"max_model_len: {config.max_model_len} exceeds the model's context {arch.max_position}"
+        )
+    return config.max_model_len or arch.max_position
 
 
 def make_graphs(

@@ -108,7 +108,8 @@ class SamplingBatch:
         buffer = np.empty(44 * n, dtype=np.uint8)  # [4, n] int64, then [3, n] float32
         ints = buffer[: 32 * n].view(np.int64).reshape(4, n)
         floats = buffer[32 * n :].view(np.float32).reshape(3, n)
-        floats[:] = params[[0, 2, 3]]  # temperature, top_p, min_p
+        # temperature, top_p, min_p; a temperature past float32's range is its largest (uniform anyway)
+        floats[:] = np.minimum(params[[0, 2, 3]], np.finfo(np.float32).max)
         ints[0] = params[1]  # top_k: small integers, exact in float64
         ints[1], ints[2] = seeds, counters
         ints[3] = _row_keys(seeds, counters)

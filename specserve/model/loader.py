@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from specserve.assets import ModelLocation, resolve_model
+from specserve.assets import ModelLocation, ModelNotFound, resolve_model
 from specserve.model.arch import ModelArch
 from specserve.model.bamba import BambaForCausalLM
 from specserve.model.checkpoint import load_checkpoint
@@ -35,16 +35,24 @@ def load_model(
     dtype: torch.dtype,
     tp: TPInfo = NO_TP,
     full_vocab: bool = False,
+    field: str = "model",
 ) -> LoadedModel:
     """This rank's shard of the model (the whole model at TP size 1); with `full_vocab` and TP, also
-    whole copies of the embedding and lm_head, cut from the same checkpoint tensors."""
-    location = resolve_model(name_or_path)
-    checkpoint = load_checkpoint(location.path)
+    whole copies of the embedding and lm_head, cut from the same checkpoint tensors. A name or path
+    that is no loadable model is a ValueError naming `field` (the setting that gave it)."""
+    try:
+        location = resolve_model(name_or_path)
+        checkpoint = load_checkpoint(location.path)
+        tokenizer = load_tokenizer(location.path)
+    except (ValueError, KeyError, OSError) as err:  # nothing there, a config lacking a setting, no tokenizer
+        what = f"its config lacks {err}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(
+            f"{field}: {what}" if isinstance(err, ModelNotFound) else f"{field}: {name_or_path!r}: {what}"
+        ) from err
     model = build_model(checkpoint.arch, checkpoint.tensors, device, dtype, tp)
     vocab = None
     if full_vocab and tp.size > 1:
         vocab = build_full_vocab(checkpoint.arch, checkpoint.tensors, device, dtype)
-    tokenizer = load_tokenizer(location.path)
     folder = location.path if location.kind == "hf" else None
     eos = eos_token_ids(tokenizer, checkpoint.arch, folder)
     return LoadedModel(model, checkpoint.arch, tokenizer, eos, location, vocab)

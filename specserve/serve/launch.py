@@ -10,7 +10,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from specserve.api import API_KEY_ENV
-from specserve.cli_spec_args import add_speculative_arguments, draft_vocab_setting, speculative_from_args
+from specserve.cli_spec_args import (
+    add_speculative_arguments,
+    draft_vocab_setting,
+    shape_setting,
+    speculative_from_args,
+)
 
 if TYPE_CHECKING:
     # pydantic only when serving: `specserve bench` builds this parser too, on machines without it.
@@ -23,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="asset name, .gguf file or HF folder (default: SmolLM2)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per engine replica")
-    parser.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks per engine replica (default: 1)"
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas (default: 1)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
@@ -35,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plain decoding (default: the model's shipped draft head, else the n-gram drafter)",
     )
-    add_speculative_arguments(parser)
+    add_speculative_arguments(parser, default="`default`; --no-speculative for none")
     parser.add_argument(
         "--api-key",
         default=None,
@@ -65,13 +72,13 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         config["api_key"] = api_key
-    vocab = draft_vocab_setting(args)
+    vocab = {**shape_setting(args), **draft_vocab_setting(args)}
     if args.no_speculative:
         config["speculative"] = None
     elif args.speculative in (None, "default") and args.adaptive:  # the default drafter, adapted
         config["speculative"] = {"method": "default", "adaptive": True, **vocab}
     elif args.speculative == "default" or (args.speculative is None and vocab):
-        # resolved by each replica, against its own install
+        # resolved by each replica, against its own install (--num-steps etc. over its own)
         config["speculative"] = {"method": "default", **vocab} if vocab else "default"
     elif args.speculative:
         config["speculative"] = speculative_from_args(args)
@@ -83,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
 
     from specserve.serve.config import ServeConfig
 
+    if args.no_speculative and (args.speculative or args.adaptive or shape_setting(args)):
+        print(
+            "specserve serve: error: --no-speculative contradicts --speculative / --adaptive", file=sys.stderr
+        )
+        return 2
     try:
         config = ServeConfig.model_validate(config_from_args(args))
     except ValidationError as err:
@@ -117,8 +129,18 @@ def serve_until_interrupted(config: Any, ray_address: str | None = None) -> int:
     return 0
 
 
+# ServeConfig's fields as `serve`'s flags spell them, for its errors
+_FLAGS = {
+    "tp_size": "--tp",
+    "num_replicas": "--replicas",
+    "max_model_len": "--max-model-len",
+    "port": "--port",
+}
+
+
 def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
+    where = _FLAGS.get(where, where)
     message = first["msg"].removeprefix("Value error, ")
     return message if not where or message.startswith(where) else f"{where}: {message}"

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.cli_spec_args import count
+
 PHASES = ("prompts", "answers", "data", "train", "eval")
 METHODS = ("eagle3", "eagle", "mtp")
 
@@ -43,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--phase", default="data,train,eval", help=f"comma-separated, of {', '.join(PHASES)}")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", help="the target's dtype (auto: bf16 on GPU, fp32 on CPU)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the data order, sampling and the head's init (default: 0)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     data = parser.add_argument_group("data generation")
@@ -58,11 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W/N",
         help="answer every N-th prompt from the W-th (N generation processes can share one GPU)",
     )
-    data.add_argument("--num-prompts", type=int, default=None, help="stop after this many answered prompts")
+    data.add_argument(
+        "--num-prompts", type=count(), default=None, help="stop after this many answered prompts"
+    )
     data.add_argument("--data-minutes", type=float, default=None, help="stop generating after this long")
-    data.add_argument("--max-new-tokens", type=int, default=512, help="longest answer")
+    data.add_argument("--max-new-tokens", type=count(), default=512, help="longest answer (default: 512)")
     data.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
-    data.add_argument("--gen-batch", type=int, default=64, help="requests decoded together")
+    data.add_argument("--gen-batch", type=count(), default=64, help="requests decoded together (default: 64)")
     data.add_argument(
         "--stop-loops",
         type=int,
@@ -109,8 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "where a one-layer head agrees least with the target, and where MT-Bench measures it",
     )
     train.add_argument("--start-tokens", type=int, default=128, help="see --start-weight")
-    train.add_argument("--lr", type=float, default=3e-4)
-    train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; default: 3e-4)")
+    train.add_argument("--warmup-steps", type=count(0), default=50, help="linear warm-up steps (default: 50)")
     train.add_argument(
         "--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at LR x this"
     )
@@ -153,9 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     ev = parser.add_argument_group("evaluation")
     ev.add_argument("--eval-data", default="mt-bench", help="prompts to measure acceptance on")
-    ev.add_argument("--eval-prompts", type=int, default=80)
-    ev.add_argument("--eval-max-new-tokens", type=int, default=256)
-    ev.add_argument("--eval-steps", type=int, default=5, help="chain length (num_steps)")
+    ev.add_argument(
+        "--eval-prompts", type=count(), default=80, help="prompts measured (default: 80, all of MT-Bench)"
+    )
+    ev.add_argument(
+        "--eval-max-new-tokens", type=count(), default=256, help="tokens each answer may have (default: 256)"
+    )
+    ev.add_argument("--eval-steps", type=count(), default=5, help="chain length (num_steps; default: 5)")
     ev.add_argument("--eval-temperatures", default="0,0.7", help="comma-separated")
     ev.add_argument(
         "--eval-tree",
