@@ -145,6 +145,7 @@ class TokenLogprobs:
     token: LogprobEntry
     top: list[LogprobEntry] = field(default_factory=list)
     chosen: list[LogprobEntry] = field(default_factory=list)
+    offset: int | None = None  # where the token's text starts in the output text (characters)
 
 
 @dataclass

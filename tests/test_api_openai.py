@@ -95,6 +95,9 @@ def test_completion_logprobs_and_stop(oai, reference):
     assert choice.text == full[: full.index(stop)] and choice.finish_reason == "stop"
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    # where each token's text starts in the text: in order, and never past its end (the stop cut it)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(offset <= len(choice.text) for offset in lp.text_offset)
     assert all(
         len(top) <= 3 and max(top.values()) >= lp.token_logprobs[i] - 1e-6
         for i, top in enumerate(lp.top_logprobs)

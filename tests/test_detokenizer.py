@@ -59,6 +59,30 @@ def test_multibyte_characters_are_held_until_complete(smollm2_tokenizer) -> None
     assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🎉" and tail == ""
 
 
+@pytest.mark.parametrize("check_stops", [False, True])
+def test_each_token_s_text_starts_where_its_characters_do(smollm2_tokenizer, check_stops: bool) -> None:
+    """`TextState.start_of` (completions' `text_offset`): counted from the decoded pieces, the
+    offsets ran past the text for characters of several tokens (one each) and skipped special tokens."""
+    from specserve.engine.text import TextState
+
+    tok = smollm2_tokenizer
+    text = "日本語 🎉 ok<|im_end|> 終"
+    ids = tok.encode(text, add_special_tokens=False)
+    state = TextState(tok, [], ["never-there"] if check_stops else [], True, offsets=True)
+    for token_id in ids:
+        state.push(token_id, check_stops=check_stops)
+    state.finish()
+    out = state.text
+    assert out == tok.decode(ids, skip_special_tokens=True)
+    starts = [state.start_of(i) for i in range(len(ids))]
+    assert starts[0] == 0 and starts == sorted(starts) and starts[-1] < len(out)
+    # each token's share of the text (from its start to the next one's) spells the text in order
+    shares = [out[a:b] for a, b in zip(starts, [*starts[1:], len(out)], strict=True)]
+    assert "".join(shares) == out
+    assert len(set(starts)) < len(starts)  # the tokens of one character start together
+    assert TextState(tok, [], [], True).start_of(0) is None  # kept only when asked (logprobs)
+
+
 def test_chunked_pushes_and_empty_prompt(smollm2_tokenizer) -> None:
     tok = smollm2_tokenizer
     rng = random.Random(0)

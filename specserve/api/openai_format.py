@@ -63,9 +63,12 @@ def usage(finals: Sequence[RequestOutput], n: int) -> Usage:
 
 
 def completion_logprobs(lps: Sequence[TokenLogprobs], top: bool, offset: int = 0) -> CompletionLogprobs:
+    """`text_offset` from where the engine says each token's text starts; else (an engine that
+    does not say) the pieces' lengths from `offset` on, which run past the text for a character of
+    several tokens and for skipped special tokens."""
     offsets = []
     for lp in lps:
-        offsets.append(offset)
+        offsets.append(lp.offset if lp.offset is not None else offset)
         offset += len(lp.token[2])
     return CompletionLogprobs(
         tokens=[lp.token[2] for lp in lps],

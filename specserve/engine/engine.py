@@ -184,7 +184,7 @@ class Engine:
         req = Request(request_id, prompt_ids, params, seed, eos, stream=stream)
         self._requests[request_id] = req
         self._texts[request_id] = TextState(
-            self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+            self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens, offsets=params.return_logprob
         )
         self.scheduler.add(req)
         self._stats.prompt_tokens += len(prompt_ids)

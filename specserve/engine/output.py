@@ -23,7 +23,7 @@ def make_output(req: Request, text: TextState, token_text: TokenText, delta_ids:
         meta=_meta(req, token_text),
         delta_text=text.take_delta(),
         delta_token_ids=delta_ids,
-        delta_logprobs=_delta_logprobs(req, token_text, len(delta_ids)),
+        delta_logprobs=_delta_logprobs(req, token_text, len(delta_ids), text),
     )
 
 
@@ -35,17 +35,22 @@ def _entries(token_text: TokenText, pairs: list[tuple[int, float]] | None) -> li
     return [_entry(token_text, lp, t) for t, lp in pairs or []]
 
 
-def _delta_logprobs(req: Request, token_text: TokenText, num_delta: int) -> list[TokenLogprobs]:
-    """Output logprobs of the last `num_delta` tokens (each token's record is appended with it)."""
+def _delta_logprobs(
+    req: Request, token_text: TokenText, num_delta: int, text: TextState
+) -> list[TokenLogprobs]:
+    """Output logprobs of the last `num_delta` tokens (each token's record is appended with it),
+    with where each token's text starts."""
     if not (req.params.return_logprob and num_delta):
         return []
+    first = len(req.output_logprobs) - num_delta
     return [
         TokenLogprobs(
             _entry(token_text, r.logprob, r.token_id),
             _entries(token_text, r.top),
             _entries(token_text, r.chosen),
+            text.start_of(first + i),
         )
-        for r in req.output_logprobs[-num_delta:]
+        for i, r in enumerate(req.output_logprobs[-num_delta:])
     ]
 
 

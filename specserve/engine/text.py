@@ -12,9 +12,16 @@ class TextState:
     a request nobody streams is decoded once, at its end, by the same incremental calls."""
 
     def __init__(
-        self, tokenizer, prompt_ids: Sequence[int], stops: Sequence[str], skip_special_tokens: bool
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int],
+        stops: Sequence[str],
+        skip_special_tokens: bool,
+        offsets: bool = False,
     ) -> None:
+        """`offsets`: keep where each token's text starts (`start_of`; logprobs' `text_offset`)."""
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._starts: list[int] | None = [] if offsets else None
         self._stops = StopMatcher(stops) if stops else None
         self._final: str | None = None
         self._sent = 0
@@ -27,6 +34,8 @@ class TextState:
             return None
         self._catch_up()
         before = len(self._detok.text)
+        if self._starts is not None:
+            self._starts.append(before)
         self._detok.push([token_id])
         hit = self._stops.find(self._detok.text, before)
         if hit is None:
@@ -67,5 +76,16 @@ class TextState:
     def _catch_up(self) -> None:
         # One token per call, as when each was pushed: the text cannot depend on when it is read.
         for token_id in self._unread:
+            if self._starts is not None:
+                self._starts.append(len(self._detok.text))
             self._detok.push([token_id])
         self._unread.clear()
+
+    def start_of(self, index: int) -> int | None:
+        """Where output token `index`'s text starts in the text, in characters (None unless kept).
+        A token that adds no text of its own (a skipped special token, a character's first bytes)
+        starts where the next text does; none starts past the end (a stop string cut there)."""
+        if self._starts is None:
+            return None
+        self._catch_up()
+        return min(self._starts[index], len(self.text))
