@@ -115,7 +115,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the assistant prompt) to one or several conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages: give a conversation (a non-empty list of messages) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self._chat_ids(c) for c in conversations]
         return self.generate(prompts, sampling_params)
 

@@ -259,6 +259,8 @@ def test_bad_requests_name_the_field(llm):
         llm.generate(b"hello", GREEDY)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate("hello", 5)
+    with pytest.raises(ValueError, match="messages"):  # named `prompts`
+        llm.chat([])
 
 
 @pytest.mark.parametrize(
