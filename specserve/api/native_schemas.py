@@ -40,7 +40,11 @@ class NativeSamplingParams(BaseModel):
     )
     min_new_tokens: int = Field(0, description="Tokens to generate before EOS or a stop may end the output.")
     stop: StopStrings = Field(None, description="A stop string or a list; the text ends before it.")
-    stop_token_ids: TokenIdList | None = Field(None, description="Token ids that end the output.")
+    stop_token_ids: TokenIdList | None = Field(
+        None,
+        description="Token ids that end the output; the matched token stays in it (and in the text unless "
+        "skip_special_tokens drops it), as in vLLM.",
+    )
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     seed: int | None = Field(None, description="Seed of the sampler: same seed, same output.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")

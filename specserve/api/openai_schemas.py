@@ -95,7 +95,8 @@ class OpenAISampling(BaseModel):
     )
     ignore_eos: bool = Field(False, description="Keep generating past EOS (an extension).")
     stop_token_ids: TokenIdList | None = Field(
-        None, description="Token ids that end the output (an extension)."
+        None,
+        description="Token ids that end the output (an extension); the matched token stays in it, as in vLLM.",
     )
     skip_special_tokens: bool = Field(
         True, description="Leave special tokens out of the text (an extension)."
