@@ -20,6 +20,7 @@ device or the host).
 
 import argparse
 import cProfile
+import faulthandler
 import os
 import pstats
 import time
@@ -40,6 +41,9 @@ BATCH = int(os.environ.get("TRACE_BATCH", "1"))
 TOKENS = int(os.environ.get("TRACE_TOKENS", "256"))
 PROFILE_STEPS = int(os.environ.get("TRACE_PROFILE", "0"))
 TORCH_STEPS = int(os.environ.get("TRACE_TORCH", "0"))
+RUNS = int(os.environ.get("TRACE_RUNS", "2"))
+SLOW_MS = float(os.environ.get("TRACE_SLOW_MS", "0"))
+PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
 
 
 ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -75,8 +79,15 @@ def traced_run(
             for key in ("self_cpu_time_total", "self_device_time_total"):
                 print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
         else:
+            if SLOW_MS:
+                faulthandler.dump_traceback_later(SLOW_MS / 1e3)
             out = profiler.runcall(original) if profiling else original()
+            if SLOW_MS:
+                faulthandler.cancel_dump_traceback_later()
         end = time.perf_counter()
+        if SLOW_MS and (end - start) * 1e3 > SLOW_MS:
+            tier = engine.adaptive.tier.name if engine.adaptive is not None else "-"
+            print(f"slow step {len(stamps)}: {(end - start) * 1e3:.1f} ms, tier {tier}", flush=True)
         if kind != "prefill":
             kind = _kind(engine, before, engine._loop_flight is not None)
         times[kind].append(end - start)
@@ -120,13 +131,16 @@ def main() -> None:
     args = argparse.Namespace(
         device="cuda", dtype="bfloat16", page_size=16, attention_backend="auto", max_new_tokens=TOKENS
     )
-    pool = bench._pool_tokens(chats[:64], args, 16)
+    pool = bench._pool_tokens(chats[:64], args, 16, 64)
     for spec in specs:
         llm = bench._engine(args, loaded, spec, 64, pool)
         llm.generate(chats[:2], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        for b in PRELUDE:
+            llm.generate(chats[:b], SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True))
         for p in range(PROMPTS):
             batch = chats[p * BATCH : (p + 1) * BATCH]
-            runs = [traced_run(llm, batch) for _ in range(2)]
+            runs = [traced_run(llm, batch) for _ in range(RUNS)]
+            print(f"{spec_name(spec)} runs (ms): " + " ".join(f"{r[0] * 1e3:.0f}" for r in runs), flush=True)
             if (PROFILE_STEPS or TORCH_STEPS) and p == 0:
                 traced_run(llm, batch, PROFILE_STEPS, TORCH_STEPS)
             wall, times, gaps, verifies = min(runs, key=lambda r: r[0])

@@ -94,9 +94,10 @@ def speculative_from_args(args: argparse.Namespace) -> dict | None:
     shape = shape_setting(args)
     method = args.speculative or ("default" if adaptive or vocab else None)
     if not method:
-        given = next((flag for flag, value in _shape_flags(args) if value is not None), None)
+        named = {**shape, "draft_model": args.draft_model}
+        given = next((name for name, value in named.items() if value is not None), None)
         if given:
-            raise ValueError(f"{given}: needs --speculative (or --adaptive)")
+            raise ValueError(f"--{given.replace('_', '-')}: needs --speculative (or --adaptive)")
         return None
     if method == "default":  # its own draft model, and its own num_steps unless given
         from specserve.default_drafter import default_speculative
@@ -115,15 +116,6 @@ def shape_setting(args: argparse.Namespace) -> dict:
     """`--num-steps`, `--topk`, `--num-draft-tokens` as speculative settings, those given only."""
     names = ("num_steps", "topk", "num_draft_tokens")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-
-
-def _shape_flags(args: argparse.Namespace) -> list[tuple[str, object]]:
-    return [
-        ("--num-steps", args.num_steps),
-        ("--topk", args.topk),
-        ("--num-draft-tokens", args.num_draft_tokens),
-        ("--draft-model", args.draft_model),
-    ]
 
 
 def draft_vocab_setting(args: argparse.Namespace) -> dict:

@@ -122,7 +122,7 @@ class AdaptiveConfig:
         for field_name in ("patience", "probe_every"):
             value = getattr(self, field_name)
             _require(
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                _is_count(value),
                 f"{name}.{field_name}",
                 "must be an integer >= 1",
             )
@@ -134,9 +134,7 @@ class AdaptiveConfig:
         _require(0 <= self.cost_alpha <= 1, f"{name}.cost_alpha", "must be in [0, 1] (0: keep the profile)")
         _require(isinstance(self.profile, bool), f"{name}.profile", "must be true or false")
         _require(
-            isinstance(self.shadow_lookups, int)
-            and not isinstance(self.shadow_lookups, bool)
-            and self.shadow_lookups >= 0,
+            _is_count(self.shadow_lookups, 0),
             f"{name}.shadow_lookups",
             "must be an integer >= 0",
         )
@@ -217,7 +215,7 @@ def _tier_shape(value: object) -> tuple[int, int, int]:
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     ok = isinstance(value, (list, tuple)) and len(value) in (1, 3)
-    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    ok = ok and all(_is_count(v, 0) for v in value)
     _require(ok, name, f"{value!r}: a tier is 'off', NUM_STEPS, or [num_steps, topk, num_draft_tokens]")
     if len(value) == 1:
         return (0, 1, 0) if value[0] == 0 else (value[0], 1, value[0])
@@ -267,7 +265,7 @@ class SpeculativeConfig:
             "must be an integer in [1, 64]",
         )
         _require(
-            isinstance(self.topk, int) and not isinstance(self.topk, bool) and 1 <= self.topk <= MAX_TOPK,
+            _is_count(self.topk) and self.topk <= MAX_TOPK,
             "speculative.topk",
             f"must be an integer in [1, {MAX_TOPK}]",
         )
@@ -279,11 +277,7 @@ class SpeculativeConfig:
             )
         _require(
             self.num_draft_tokens is None
-            or (
-                isinstance(self.num_draft_tokens, int)
-                and not isinstance(self.num_draft_tokens, bool)
-                and 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS
-            ),
+            or (_is_count(self.num_draft_tokens) and self.num_draft_tokens <= MAX_DRAFT_TOKENS),
             "speculative.num_draft_tokens",
             f"must be null or an integer in [1, {MAX_DRAFT_TOKENS}]",
         )
@@ -296,12 +290,7 @@ class SpeculativeConfig:
         if self.adaptive is not None:
             self.adaptive.validate(self)
         _require(
-            self.device_steps is None
-            or (
-                isinstance(self.device_steps, int)
-                and not isinstance(self.device_steps, bool)
-                and 0 <= self.device_steps <= 64
-            ),
+            self.device_steps is None or (_is_count(self.device_steps, 0) and self.device_steps <= 64),
             "speculative.device_steps",
             "must be null or an integer in [0, 64]",
         )
@@ -321,9 +310,7 @@ class SpeculativeConfig:
 
     def _validate_draft_vocab(self) -> None:
         _require(
-            isinstance(self.draft_vocab, int)
-            and not isinstance(self.draft_vocab, bool)
-            and self.draft_vocab >= 1,
+            _is_count(self.draft_vocab),
             "speculative.draft_vocab",
             "must be null or an integer >= 1",
         )
@@ -423,18 +410,17 @@ class EngineConfig:
             "works without speculative decoding only (so far)",
         )
         _require(
-            isinstance(self.cuda_graph_max_batch, int) and self.cuda_graph_max_batch >= 1,
+            _is_count(self.cuda_graph_max_batch),
             "cuda_graph_max_batch",
             "must be an integer >= 1",
         )
         _require(
-            self.cuda_graph_prefill_tokens is None
-            or (isinstance(self.cuda_graph_prefill_tokens, int) and self.cuda_graph_prefill_tokens >= 0),
+            self.cuda_graph_prefill_tokens is None or _is_count(self.cuda_graph_prefill_tokens, 0),
             "cuda_graph_prefill_tokens",
             "must be null or an integer >= 0",
         )
         _require(
-            isinstance(self.tp_size, int) and not isinstance(self.tp_size, bool) and self.tp_size >= 1,
+            _is_count(self.tp_size),
             "tp_size",
             "must be an integer >= 1",
         )

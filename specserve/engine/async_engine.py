@@ -328,9 +328,8 @@ class AsyncEngine:
     # ---- the asyncio side --------------------------------------------------------------------
 
     def _open_stream(self, stream: _Stream) -> None:
-        with self._cv:
-            if self._failure is not None:
-                raise EngineUnavailable(f"the engine failed: {self._failure}")
+        with self._cv:  # reentrant: the check and the add hold it together
+            self._check_serving()
             self._open.add(stream)
 
     def _post(self, command: Any, quiet: bool = False) -> None:

@@ -167,6 +167,9 @@ class AdaptivePolicy:
         self.shadow_rescore_every = shadow_rescore_every
         self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
         self.calibration = calibration  # None: predictions taken as they are
+        # (scores, the calibration's version) -> the corrected scores: the off path reuses one scoring
+        # for many steps, and correcting it anew each step was host work on every plain step
+        self._corrected: tuple[_Scores, int, dict[Tier, float]] | None = None
         self._speculative = [t for t in self.tiers if not t.off]
         self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
         self._topks = sorted({t.topk for t in self.tiers if not t.off})
@@ -273,8 +276,13 @@ class AdaptivePolicy:
         calibration = self.calibration
         if calibration is None or not calibration.version:
             return scored.score
+        kept = self._corrected
+        if kept is not None and kept[0] is scored and kept[1] == calibration.version:
+            return kept[2]
         factors = calibration.factors(self._speculative, len(scored.ids))
-        return {t: s * factors.get(t, 1.0) for t, s in scored.score.items()}
+        corrected = {t: s * factors.get(t, 1.0) for t, s in scored.score.items()}
+        self._corrected = (scored, calibration.version, corrected)
+        return corrected
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step emitted `tokens` in `seconds` (draft and target): the measured goodput's EMA, and
