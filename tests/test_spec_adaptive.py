@@ -637,3 +637,35 @@ def test_depth_functions_on_hand_made_prefixes():
     # the steps at full depth: 27 / 2.7 = 10 (middling's); sure needs 25 / 10 tokens a step (depth
     # 2), hopeless finishes its 9 anyway
     assert drain_depths(prefixes, [25, 9, 27], 3) == [2, 0, 3]
+
+
+@pytest.mark.parametrize("loop_priced", [True, False])
+def test_a_probe_of_a_tier_its_steady_steps_priced_is_judged_at_that_price(loop_priced):
+    """Batch 64, off: a probe of a device-loop tier runs synchronously at several times what its loop
+    steps cost (the H200, mixed prompts: 5.5 against 2.1 ms for the 2-chain). Judged on its own time,
+    every probe lost and the policy stayed off beside static chains making 1.2-1.4x plain; judged at
+    the price its steady steps measured, one whose drafts were all accepted wins. A tier priced only
+    by its profile is still judged on the probe's time (priced too cheap, probes won wrongly)."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(64, 1), (64, 2)], lambda b, q: 2.5 * MS)  # the same price either way
+    costs.profile(DRAFT, [(64, 1)], lambda b, w: 1e-6)  # on the device, inside a loop step
+    for _ in range(MIN_SAMPLES):
+        costs.observe(DECODE, 64, 1, 2.3 * MS)
+        if loop_priced:
+            costs.observe(VERIFY, 64, 2, 2.5 * MS, rows=True)
+    acceptance = AcceptanceTracker(1, prior=0.05, strength=50.0)  # off is the better bet
+    policy = AdaptivePolicy(
+        [OFF, Tier.chain(1)],
+        costs,
+        acceptance,
+        overlapped_off=True,
+        draft_per_step=False,
+        probe_every=1,
+        probe_share=1.0,
+    )
+    ids = [f"r{i}" for i in range(64)]
+    decisions = [policy.decide(ids) for _ in range(3)]
+    assert policy.current == OFF
+    assert any(d.tier == Tier.chain(1) for d in decisions)  # a probe
+    policy.observe_probe(128, 10 * MS)  # every draft accepted, in a synchronous step of 10 ms
+    assert (policy.probes, policy.probes_won) == (1, 1 if loop_priced else 0)

@@ -298,7 +298,11 @@ class AdaptivePolicy:
         """The probe step just run emitted `tokens` over its requests in `seconds` (its draft and
         verify; None: as predicted): won when at least what decoding would have emitted in that
         time (interval back to `probe_every`), else lost (interval doubled, up to
-        `max_probe_every`). Judged on the measured time, so a probe priced too cheap cannot win.
+        `max_probe_every`). Judged on the measured time, so a probe priced too cheap cannot win,
+        unless steady steps of the tier measured its price at this batch: a probe of a device-loop
+        tier runs synchronously, at several times a loop step's cost (the H200, mixed prompts,
+        batch 64: 5.5 against 2.1 ms for the 2-chain), and every probe lost while the static chains
+        made 1.2-1.4x plain; the policy stayed off.
         Decided on the drain (`emitted`: each request's tokens, 1 where not given), it is judged by
         the steps it saved the batch's last request, counted for the whole batch: a probe whose
         predictable requests raced ahead while the slowest one made a token did nothing for the
@@ -311,7 +315,11 @@ class AdaptivePolicy:
             after = max(r - emitted.get(rid, 1) for rid, r in left.items())
             tokens = len(left) * (max(left.values()) - after)
         if seconds is not None and seconds > 0:
-            needed *= seconds / self.step_seconds(tier, self.last_batch or 1)
+            batch = self.last_batch or 1
+            priced = self.step_seconds(tier, batch)
+            if self.costs.measured_live(VERIFY, batch, tier.query_len):
+                seconds = min(seconds, priced)  # what its steps cost once switched to, measured
+            needed *= seconds / priced
         self.probes += 1
         if tokens >= needed:
             self.probes_won += 1
