@@ -452,7 +452,7 @@ class Clock:
                     while n < 16 and rng.random() < follow:
                         n += 1
                 matches.append(n)
-            reqs.append(_request(run, i, matches))
+            reqs.append(_request(run, i, matches, prompt_len=self.prompt))
         return reqs
 
     def _mixed_requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
@@ -465,7 +465,7 @@ class Clock:
             matches: list[int | None] = []
             for _ in range(tokens):
                 matches.append(_lookup(rng, rates))
-            reqs.append(_request(run, i, matches, text=name))
+            reqs.append(_request(run, i, matches, text=name, prompt_len=self.prompt))
         return reqs
 
     def _bursty_requests(self, batch: int, tokens: int, run: int) -> list[SimpleNamespace]:
@@ -481,7 +481,7 @@ class Clock:
             for _ in range(tokens):
                 copying = rng.random() >= out_of if copying else rng.random() < into
                 matches.append(_lookup(rng, self.classes["copy" if copying else "chat"]))
-            reqs.append(_request(run, i, matches))
+            reqs.append(_request(run, i, matches, prompt_len=self.prompt))
         return reqs
 
     @staticmethod
@@ -657,7 +657,7 @@ def loop_run(
     for req in reqs:
         req.num_output = min(req.num_output, req.params.max_new_tokens)
     if resumed:
-        adaptive.observe_loop(n, k, step * MS)
+        adaptive.observe_loop(n, k, step * MS, n * context)
         adaptive.observe_run(n, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS)
     adaptive.idle()
     return LOOP_RUN * step, verifies, accepted_drafts

@@ -104,7 +104,8 @@ def _request(
 ) -> tuple[list[str], float]:
     """One batch-1 request as the engine runs it: its prefill, then a decision per engine step (the
     standing tier's loop, a probe or a plain step); the tiers of its steps and its ms."""
-    req = SimpleNamespace(request_id=rid, params=SimpleNamespace(max_new_tokens=tokens), num_output=1)
+    params = SimpleNamespace(max_new_tokens=tokens)
+    req = SimpleNamespace(request_id=rid, params=params, num_output=1, prompt_len=16)
     control.decide([], 1)  # the prefill step: nothing decodes yet
     tiers, ms, looping = [], 0.3, None
     while req.num_output < tokens:

@@ -210,6 +210,7 @@ def test_shadow_drafts_start_only_where_their_evidence_could_change_the_decision
             request_id=f"r{i}",
             params=params,
             num_output=0,
+            prompt_len=3,
             token_ids=[1, 2, 3],
             num_pending=0,
             token_mirror=ListMirror(),

@@ -1,12 +1,15 @@
-"""Device-loop steps priced by their rows: what a loop step costs beyond its profile is per query row.
+"""Device-loop steps priced by their contexts: what a loop step costs beyond its profile is attention.
 
 The start-up profile times a loop step over rows of one token; a live one attends over the requests'
-real contexts, a cost per query row that grows with the batch. Issue 9's H100 run of the eleventh
-session (docs/benchmarks.md; MT-Bench, batch 64): the 2-chain's loop steps cost ~3.2 ms a verify and the 8-chain's ~4.4, while the policy,
-adding the same residual to every width, priced them 2.48 and 2.70 ms and held the 8-chain, 0.72x the
-2-chain. Here a model of the engine's loop (as `scripts/adaptive_sim.py`'s) with requests of
-differing acceptance: at batch 64 the deep chain's extra rows cost more than its extra tokens, at
-batch 1 (one predictable request, contexts too short to matter) they pay. No wall clock is read.
+real contexts, a cost per context token with a part per request and a part per query row, whose
+split differs by device and text. Issue 9's H100 run of the eleventh session (docs/benchmarks.md;
+MT-Bench, batch 64): the 2-chain's loop steps cost ~3.2 ms a verify and the 8-chain's ~4.4, while the
+policy, adding the same residual to every width, priced them 2.48 and 2.70 ms and held the 8-chain,
+0.72x the 2-chain. The H200 of the fourteenth session (mixed prompts, batch 64): the 2-chain's loop
+step cost 1.84 ms against the 1-chain's 1.90, where charging the 1-chain's gap per row priced it 2.4
+ms and it was never run. Here a model of the engine's loop (as `scripts/adaptive_sim.py`'s) with
+requests of differing acceptance: at batch 64 either split, at batch 1 (one predictable request,
+contexts too short to matter). No wall clock is read.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ import pytest
 from test_spec_adaptive_loop import _accepted
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.adaptive_control import AdaptiveSpeculation
+from specserve.engine.adaptive_control import AdaptiveSpeculation, context_tokens
 from specserve.spec.adaptive import Tier
 from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 MS = 1e-3
 RUN = 8  # verifies a loop run
-PROFILE_MS = {1: {1: 0.80, 2: 0.82, 4: 0.86, 8: 0.91}, 64: {1: 1.50, 2: 1.52, 4: 1.60, 8: 1.66}}
+PROFILE_MS = {1: {1: 0.80, 2: 0.82, 4: 0.86, 8: 0.91}, 64: {1: 1.50, 2: 1.52, 4: 1.75, 8: 2.20}}
 PLAIN_MS = {1: 0.72, 64: 1.75}
-CONTEXT_MS = 8e-6  # per request, query row and context token: what the profile never sees
+# What the profile never sees, per request and context token: a part per query row and one per
+# request (the eleventh session's H100 split: the 8-chain's 9 rows cost 1.63x the 2-chain's 3)
+ROW_MS = 2.5e-6
+FIXED_MS = 6.5 * ROW_MS
 PROMPT = 110
 # Conditional acceptance per draft position: n-gram-like requests that copy (a match runs on) and
 # chat ones (a first draft seldom right, a match short)
@@ -35,11 +41,17 @@ COPY = [0.8, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9]
 CHAT = [0.25, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
 
 
-def _loop_ms(batch: int, depth: int, context: float) -> float:
-    return PROFILE_MS[batch][depth] + CONTEXT_MS * batch * (depth + 1) * context
+def _loop_ms(batch: int, depth: int, context: float, fixed: float = FIXED_MS, row: float = ROW_MS) -> float:
+    """A loop step over `batch` requests of `context` tokens each on average."""
+    return PROFILE_MS[batch][depth] + batch * context * (fixed + row * (depth + 1))
 
 
-def _control(batch: int) -> AdaptiveSpeculation:
+def _request(request_id: str, tokens: int = 256) -> SimpleNamespace:
+    params = SimpleNamespace(max_new_tokens=tokens)
+    return SimpleNamespace(request_id=request_id, params=params, num_output=1, prompt_len=PROMPT)
+
+
+def _control(batch: int, plain_ms: float | None = None) -> AdaptiveSpeculation:
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}})
     control = AdaptiveSpeculation(spec)
     control.overlapped_off = True
@@ -51,20 +63,34 @@ def _control(batch: int) -> AdaptiveSpeculation:
     control.costs.profile(VERIFY, [(batch, 1)], lambda b, q: 0.7 * PLAIN_MS[batch] * MS)
     control.costs.profile(DRAFT, [(batch, 1)], lambda b, w: 1e-6)
     for _ in range(4):  # plain steps measured (what `_probe_off` would run first)
-        control.costs.observe(DECODE, batch, 1, PLAIN_MS[batch] * MS)
+        control.costs.observe(DECODE, batch, 1, (plain_ms or PLAIN_MS[batch]) * MS)
     return control
 
 
-def _serve(control: AdaptiveSpeculation, rates: list[list[float]], rng, steps: int = 60) -> list[str]:
+def _warm(control: AdaptiveSpeculation, rates: list[list[float]], rng, verifies: int = 16) -> None:
+    """The pooled estimates after a warm-up over the same texts (the bench's first batch): a policy
+    starting from the optimistic prior over-promises with whatever tier it starts on, and that
+    tier's correction carries the blame for a while."""
+    for i, own in enumerate(rates):
+        req = _request(f"warm{i}")
+        for _ in range(verifies):
+            control.observe_chain(req, 8, _accepted(own, 8, rng), len(rates))
+        control.forget(req.request_id)
+
+
+def _serve(
+    control: AdaptiveSpeculation,
+    rates: list[list[float]],
+    rng,
+    steps: int = 60,
+    split: tuple = (FIXED_MS, ROW_MS),
+) -> list[str]:
     """`steps` engine steps over a full batch, as the engine runs it in the loop: a request that
     finishes (256 tokens) makes room for a waiting one of the same text (so the batch stands and the
     policy judges goodput), a run resumes the one before while the tier and the requests stand. The
     tier of each engine step."""
     tokens, batch, made = 256, len(rates), 0
-    reqs = [
-        SimpleNamespace(request_id=f"r{i}", params=SimpleNamespace(max_new_tokens=tokens), num_output=1)
-        for i in range(batch)
-    ]
+    reqs = [_request(f"r{i}", tokens) for i in range(batch)]
     own = {r.request_id: rates[i] for i, r in enumerate(reqs)}
     tiers, looped = [], None
     for _ in range(steps):
@@ -76,7 +102,6 @@ def _serve(control: AdaptiveSpeculation, rates: list[list[float]], rng, steps: i
             for req in reqs:
                 req.num_output += 1
         else:
-            context = PROMPT + sum(r.num_output for r in reqs) / batch
             before = sum(r.num_output for r in reqs)
             for _ in range(RUN):
                 for req in reqs:
@@ -86,8 +111,9 @@ def _serve(control: AdaptiveSpeculation, rates: list[list[float]], rng, steps: i
                         control.observe_chain(req, depth, accepted, batch)
                         req.num_output = min(req.num_output + accepted + 1, tokens)
             if looped == tier:  # as `Engine._observe_loop`: a run queued behind the one before
-                seconds = _loop_ms(batch, tier.num_steps, context) * MS
-                control.observe_loop(batch, tier.num_steps, seconds)
+                context = context_tokens(reqs)
+                seconds = _loop_ms(batch, tier.num_steps, context / batch, *split) * MS
+                control.observe_loop(batch, tier.num_steps, seconds, context)
                 emitted = sum(r.num_output for r in reqs) - before
                 control.observe_run(batch, tier.num_steps, emitted, RUN * seconds)
             looped = tier
@@ -96,20 +122,37 @@ def _serve(control: AdaptiveSpeculation, rates: list[list[float]], rng, steps: i
             if req.num_output >= tokens - 1:
                 control.forget(req.request_id)
                 made += 1
-                reqs[i] = SimpleNamespace(request_id=f"n{made}", params=req.params, num_output=1)
+                reqs[i] = _request(f"n{made}", tokens)
                 own[reqs[i].request_id] = own.pop(req.request_id)
                 looped = None  # the requests changed: the next run starts afresh
     return tiers
 
 
-def test_a_loop_step_s_gap_over_its_profile_is_priced_per_row():
+def _profile(batch: int, width: int) -> float:
+    return (1.5 + 0.02 * width) * MS
+
+
+def _gap(width: int, tokens: float) -> float:
+    return tokens * (FIXED_MS + ROW_MS * width) * MS
+
+
+def test_a_loop_step_s_gap_is_priced_per_context_token_by_width():
     costs = StepCosts()
-    costs.profile(VERIFY, [(64, q) for q in (2, 3, 5, 9)], lambda b, q: (1.5 + 0.02 * q) * MS)
-    per_row = 0.12 * MS
+    costs.profile(VERIFY, [(64, q) for q in (2, 3, 5, 9)], _profile)
+    tokens = 64 * 240.0
     for _ in range(3):  # the 2-chain's loop steps, live
-        costs.observe(VERIFY, 64, 3, (1.5 + 0.02 * 3) * MS + 3 * per_row, rows=True)
-    assert costs.estimate(VERIFY, 64, 9) == pytest.approx((1.5 + 0.02 * 9) * MS + 9 * per_row)
-    assert costs.estimate(VERIFY, 64, 2) == pytest.approx((1.5 + 0.02 * 2) * MS + 2 * per_row)
+        costs.observe(VERIFY, 64, 3, _profile(64, 3) + _gap(3, tokens), rows=True, context=tokens)
+    costs.context = tokens
+    # one width measured: the others at its gap (the optimistic end: a deeper tier gets run)
+    assert costs.estimate(VERIFY, 64, 9) == pytest.approx(_profile(64, 9) + _gap(3, tokens))
+    costs.context = 2 * tokens  # the contexts grew: so did the gap, the measured shape's too
+    assert costs.estimate(VERIFY, 64, 3) == pytest.approx(_profile(64, 3) + _gap(3, 2 * tokens))
+    for _ in range(3):  # the 8-chain's, over the longer contexts
+        costs.observe(VERIFY, 64, 9, _profile(64, 9) + _gap(9, 2 * tokens), rows=True, context=2 * tokens)
+    for q in (3, 5, 9):  # two widths: a part per request and one per row, through both
+        assert costs.estimate(VERIFY, 64, q) == pytest.approx(_profile(64, q) + _gap(q, 2 * tokens))
+    # narrower than both: the least it could cost, in proportion to the narrowest (all per row)
+    assert costs.estimate(VERIFY, 64, 2) == pytest.approx(_profile(64, 2) + _gap(3, 2 * tokens) * 2 / 3)
     # a synchronous step's gap (host work per request) stays one per batch, whatever the width
     sync = StepCosts()
     sync.profile(VERIFY, [(64, q) for q in (3, 9)], lambda b, q: 1e-3)
@@ -118,15 +161,18 @@ def test_a_loop_step_s_gap_over_its_profile_is_priced_per_row():
     assert sync.estimate(VERIFY, 64, 9) == pytest.approx(1.5e-3)
 
 
-def test_loop_runs_refine_the_price_of_the_tier_they_ran_and_of_the_deeper_ones():
+def test_loop_runs_refine_the_price_of_the_tiers_they_ran_and_of_those_between():
     control = _control(64)
     context = 240.0
-    for _ in range(3):
-        control.observe_loop(64, 2, _loop_ms(64, 2, context) * MS)
+    for depth in (2, 8):
+        for _ in range(3):
+            control.observe_loop(64, depth, _loop_ms(64, depth, context) * MS, 64 * context)
+    control.costs.context = 64 * context  # as `decide` sets it for the step it prices
     step = {k: control.policy.step_seconds(Tier.chain(k), 64) / MS for k in (1, 2, 4, 8)}
     real = {k: _loop_ms(64, k, context) for k in (1, 2, 4, 8)}
-    for k in (1, 2, 4, 8):
+    for k in (2, 4, 8):
         assert step[k] == pytest.approx(real[k], rel=0.05)
+    assert step[1] < real[1] < step[2]  # narrower than any measured: the least it could cost
     assert control.diagnostics(64)["steady_step_ms"]["2"] == pytest.approx(real[2], abs=1e-3)
 
 
@@ -160,6 +206,22 @@ def test_large_batch_of_mixed_requests_holds_a_short_chain(seed):
     assert "8" not in tiers[-20:], tiers
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_large_batch_whose_gap_is_all_per_request_runs_the_chain_that_pays(seed):
+    """The H200's split (mixed prompts, batch 64): the attention over each request's context costs
+    the same for 2 rows as for 9, ~1 ms a loop step beyond profiles of 1.5-2.2 ms. The same requests
+    as above: the 4-chain makes the most tokens a ms, the 8-chain 2% fewer, the 2-chain 5% fewer,
+    the 1-chain 15%. Charged per row, the gap the 8-chain's first runs measured priced the 2-chain at
+    1.85 ms and, once it ran, its own priced the 4-chain at 3.4 ms for 2.75: the policy held it."""
+    rng = random.Random(seed)
+    rates = [COPY if i % 8 == 0 else CHAT for i in range(64)]
+    control = _control(64, plain_ms=2.6)
+    _warm(control, rates, rng)
+    tiers = _serve(control, rates, rng, split=(1.0 / (64 * 240), 0.0))
+    assert control.policy.current.num_steps in (4, 8), tiers
+    assert sum(t in ("4", "8") for t in tiers[-20:]) >= 16, tiers
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_batch_1_of_a_copying_request_holds_the_long_chain(seed):
     rng = random.Random(seed)
@@ -170,14 +232,18 @@ def test_batch_1_of_a_copying_request_holds_the_long_chain(seed):
 
 def test_a_loop_run_feeds_the_measured_goodput_and_its_tier_s_correction():
     control = _control(64)
-    reqs = [
-        SimpleNamespace(request_id=f"r{i}", params=SimpleNamespace(max_new_tokens=256), num_output=1)
-        for i in range(64)
-    ]
+    reqs = [_request(f"r{i}") for i in range(64)]
     control.decide(reqs, 1)  # a standing decision: its tier's prediction is what a run is held to
     tier, predicted = control.tier, control.predicted_goodput
     assert not tier.off and predicted > 0
     control.observe_run(64, tier.num_steps, tokens=700, seconds=0.02)
     assert control.policy.measured_goodput == pytest.approx(700 / 0.02)  # the metric's source
+    # priced by its profile alone, the prediction is no measure of the tier: nothing corrected
+    assert f"{tier.name}@64" not in control.diagnostics(64)["calibration"]
+    for _ in range(3):  # its loop steps, steady: now its prediction is held to what it makes
+        control.observe_loop(64, tier.num_steps, _loop_ms(64, tier.num_steps, 240.0) * MS, 64 * 240.0)
+    control.decide(reqs, 1)
+    tier, predicted = control.tier, control.predicted_goodput
+    control.observe_run(64, tier.num_steps, tokens=700, seconds=0.02)
     made = control.diagnostics(64)["calibration"][f"{tier.name}@64"]
     assert made == pytest.approx(min(max(700 / (predicted * 0.02), 0.25), 2.0), abs=1e-3)

@@ -34,7 +34,9 @@ def _control(tiers: list[tuple[int, int, int]]) -> AdaptiveSpeculation:
 
 def _requests(batch: int) -> list[SimpleNamespace]:
     params = SimpleNamespace(max_new_tokens=10_000)
-    return [SimpleNamespace(request_id=f"r{i}", params=params, num_output=0) for i in range(batch)]
+    return [
+        SimpleNamespace(request_id=f"r{i}", params=params, num_output=0, prompt_len=16) for i in range(batch)
+    ]
 
 
 def _step(

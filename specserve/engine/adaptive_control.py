@@ -66,6 +66,12 @@ class _StepShape:
     clean: bool  # decodes and verifies only: no prefill chunk rode along
 
 
+def context_tokens(reqs: Sequence[Request]) -> float:
+    """The tokens a step over `reqs` attends over: their prompts' and outputs' (what a device loop's
+    step costs beyond its profile grows with, `StepCosts`)."""
+    return float(sum(r.prompt_len + r.num_output for r in reqs))
+
+
 def settings_of(tier: Tier) -> SpecSettings:
     return SpecSettings() if tier.off else SpecSettings(tier.num_steps, tier.topk, tier.num_draft_tokens)
 
@@ -101,7 +107,11 @@ class AdaptiveSpeculation:
         self.looped_chains: frozenset[int] = frozenset()
         self.predicted_goodput = 0.0
         # tier -> the goodput its last standing decision predicted: a device loop's run is settled a
-        # step after it was launched, by when the policy may be elsewhere
+        # step after it was launched, by when the policy may be elsewhere. 0 (no correction) where
+        # steady steps had not priced the tier at that batch yet: a prediction at its profile's price
+        # (a loop step's without the attention over real contexts, 1.5 against 2.4 ms at batch 64 in
+        # tests/test_spec_adaptive_rows.py) promised too much, and the correction blamed whichever
+        # tier ran first for it, long after its price was known
         self._predicted: dict[Tier, float] = {}
         self._steps: dict[str, int] = {}  # request id -> draft steps the policy gave it this step
         self._budgets: dict[str, int] = {}  # request id -> drafts it was asked for this step
@@ -170,6 +180,7 @@ class AdaptiveSpeculation:
             self.shadow.score(reqs)
         verifies = max(self._verified.values(), default=1)
         self._verified.clear()
+        self.costs.context = context_tokens(reqs)
         decision = self.policy.decide([r.request_id for r in reqs], remaining, verifies)
         if self.shadow is not None and decision.tier.off:
             if not self.policy.hopeless:  # else no estimate could change the decision: no lookups
@@ -181,8 +192,9 @@ class AdaptiveSpeculation:
         self._emitted_by.clear()
         self._decoding = len(reqs)
         self.predicted_goodput = decision.predicted_goodput
-        if not self._probe:
-            self._predicted[self.tier] = decision.predicted_goodput
+        if not self._probe:  # held to it once its steps priced it (`_predicted`)
+            priced = self.costs.measured_live(VERIFY, len(reqs), self.tier.query_len)
+            self._predicted[self.tier] = decision.predicted_goodput if priced else 0.0
         self.tier_steps[self.tier] += 1
         return settings_of(self.tier)
 
@@ -227,12 +239,13 @@ class AdaptiveSpeculation:
             self.acceptance.observe_many(req.request_id, 1, kept, batch)
             self._verified[req.request_id] += len(kept)
 
-    def observe_loop(self, batch: int, depth: int, seconds: float) -> None:
+    def observe_loop(self, batch: int, depth: int, seconds: float, context: float = 1.0) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
-        run the device ran back to back (its contexts are real, where the profile's are empty: what
-        it costs beyond the profile is priced per query row, `StepCosts.observe`'s `rows`); kept for
-        `diagnostics` as a steady step of its tier."""
-        self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True)
+        run the device ran back to back over `context` tokens (its requests' sum, `context_tokens`:
+        where the profile's contexts are empty, what it costs beyond the profile is priced per
+        context token, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a steady step of its
+        tier."""
+        self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)
         name = Tier.chain(depth).name
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 
@@ -266,7 +279,7 @@ class AdaptiveSpeculation:
         steady = clean and not settle and previous == self._previous
         if clean and not self._probe and previous is not None and previous.tier == self.tier:
             self.policy.observe_outcome(
-                self.tier, batch, stats.generation_tokens, seconds, self.predicted_goodput
+                self.tier, batch, stats.generation_tokens, seconds, self._predicted.get(self.tier, 0.0)
             )
         if clean:
             self._record(batch, seconds, seconds - settle, steady)

@@ -20,7 +20,7 @@ from specserve.attention.flash_backend import flash_attention_backend
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.attention.triton_backend import TritonAttentionBackend
 from specserve.config import CacheConfig, EngineConfig, SpeculativeConfig
-from specserve.engine.adaptive_control import AdaptiveSpeculation
+from specserve.engine.adaptive_control import AdaptiveSpeculation, context_tokens
 from specserve.engine.cost_profile import profile_step_costs
 from specserve.engine.device_loop import (
     DeviceLoop,
@@ -667,7 +667,8 @@ class Engine:
         seconds = stats.phases.get("step")
         if flight is not None and flight.resumed and seconds:
             batch, depth = len(flight.reqs), flight.loop.num_steps
-            self.adaptive.observe_loop(batch, depth, seconds / flight.steps)
+            context = context_tokens(flight.reqs)
+            self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context)
             self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds)
         self.adaptive.idle()
 

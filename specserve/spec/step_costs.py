@@ -25,12 +25,20 @@ batch, so the nearest batch's residual alone priced a 64-request verify like a 1
 and the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
 
 A device loop's step (`observe`'s `rows`) has no host work between its forwards: what it costs beyond
-its profile is the attention over the requests' real contexts (the profile's rows hold one token),
-paid per query row. Such a gap is kept per row (the gap over the width) and priced by the width, so a
-loop tier measured live prices the deeper ones by their rows: as one residual per batch, the gap the
-2-chain's loop steps measured at batch 64 was added to the 8-chain's as it was, which priced the
-8-chain's steps at 1.09x the 2-chain's where they cost ~1.39x, and the policy held the 8-chain
-(issue 9; docs/benchmarks.md, eleventh session).
+its profile is the attention over the requests' real contexts (the profile's rows hold one token).
+So its gap is kept per context token the step's requests hold (`context`: the engine passes their
+sum, and sets `StepCosts.context` to the sum of the step it prices; a gap measured over short
+contexts then prices one over long contexts in proportion, where a gap as it was lagged the
+contexts' growth), per width and batch, and a width not measured is priced from those that were:
+linear in the width through them (past the widest along their slope), so a fixed part per
+request and a part per query row. That split differs by device and text: on the H100 (eleventh
+session, MT-Bench, batch 64) the 8-chain's 9 rows cost ~1.65x the 2-chain's 3 beyond their profiles,
+while on the H200 (fourteenth session, mixed prompts) the 2-chain's loop step cost 1.84 ms against
+the 1-chain's 1.90, its gap all per request; charged per row from the 1-chain, it was priced 2.4 ms
+and never run. A width past those measured is priced at the least a fixed part and a part per row
+could make it (past the widest, its gap: one width alone, all fixed; below the narrowest, in
+proportion, all per row): a tier priced too dear is never run to correct it, while one priced too
+cheap is run, measured, and priced by the fit through its own width from then on.
 
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
 shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
@@ -100,17 +108,28 @@ class StepCosts:
             tuple[str, int], deque[tuple[float, float]]
         ] = {}  # (kind, batch) -> live minus profiled
         self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> robust mean of its gaps
-        # likewise of the gaps per query row, from steps with no host work (device-loop steps)
-        self._row_gaps: dict[tuple[str, int], deque[tuple[float, float]]] = {}
-        self._row_residual: dict[str, dict[int, float]] = {}
+        # device-loop steps' gaps per context token (module docstring): (kind, width, batch) ->
+        # its last ones, and (kind, width) -> batch -> their robust mean
+        self._loop_gaps: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
+        self._loop_gap: dict[tuple[str, int], dict[int, float]] = {}
+        # the context tokens the step being priced attends over (its requests' sum); 1: unknown,
+        # and loop gaps are then kept and priced as measured
+        self.context = 1.0
 
     def observe(
-        self, kind: str, batch: int, width: int, seconds: float, steady: bool = True, rows: bool = False
+        self,
+        kind: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        steady: bool = True,
+        rows: bool = False,
+        context: float = 1.0,
     ) -> None:
         """A live step of this shape took `seconds`. `steady`: a step like its neighbours (no
         transition's extra cost in it); one that is not only fills in a shape nothing else prices.
-        `rows`: a step with no host work (a device loop's), whose gap over its profile is per query
-        row (the module docstring)."""
+        `rows`: a step with no host work (a device loop's), whose gap over its profile is the
+        attention over `context` tokens, its requests' (the module docstring)."""
         if batch < 1 or width < 1 or not seconds > 0 or self.alpha == 0:
             return  # an empty or untimed step says nothing about cost; alpha 0 keeps the profile
         key = (kind, width, batch)
@@ -129,13 +148,19 @@ class StepCosts:
             row[batch] = robust_mean(samples)
             self._live.add(key)
         profiled = self._profiled.get((kind, width))
-        if profiled:
-            gap = seconds - _interpolate(profiled, batch)
-            every, residual = (self._row_gaps, self._row_residual) if rows else (self._gaps, self._residual)
-            gaps = every.setdefault((kind, batch), deque(maxlen=self.window))
-            gaps.append((seconds, gap / width if rows else gap))
-            if len(gaps) >= self.min_samples:
-                residual.setdefault(kind, {})[batch] = robust_mean(gaps)
+        if not profiled:
+            return
+        gap = seconds - _interpolate(profiled, batch)
+        if rows:
+            gaps = self._loop_gaps.setdefault((kind, width, batch), deque(maxlen=self.window))
+            gaps.append((seconds, gap / max(context, 1.0)))
+            row = self._loop_gap.setdefault((kind, width), {})
+        else:
+            gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
+            gaps.append((seconds, gap))
+            row = self._residual.setdefault(kind, {})
+        if len(gaps) >= self.min_samples:
+            row[batch] = robust_mean(gaps)
 
     def samples(self, kind: str, batch: int, width: int) -> int:
         """How many steady measurements of this shape are kept (at most `window`; its price counts
@@ -174,24 +199,40 @@ class StepCosts:
             if shape and not self.measures(kind):  # a live-only kind not yet run: the device pass
                 return _interpolate(shape, batch)
             return self._unmeasured(kind, batch, width)
-        if (kind, width, batch) in self._live:
+        looped = bool(self._loop_gap.get((kind, width)))  # priced at today's contexts, not its last steps'
+        if (kind, width, batch) in self._live and not looped:
             return row[batch]
         profiled = self._profiled.get((kind, width))
         if profiled:  # the profile, and what live steps of this kind cost beyond their profile
-            beyond = self.residual(kind, batch) + width * self.residual(kind, batch, rows=True)
+            beyond = self.residual(kind, batch) + self.loop_gap(kind, batch, width)
             return max(_interpolate(profiled, batch) + beyond, 1e-9)
         return self._borrow_shape(kind, width, row, batch)
 
-    def residual(self, kind: str, batch: int, rows: bool = False) -> float:
-        """Seconds live steps of `kind` took beyond their profile (`rows`: per query row, of steps
-        with no host work): linear in batch between the batches that measured one, past them along
-        their least-squares slope (never falling there)."""
-        residuals = (self._row_residual if rows else self._residual).get(kind)
+    def residual(self, kind: str, batch: int) -> float:
+        """Seconds live steps of `kind` took beyond their profile: linear in batch between the
+        batches that measured one, past them along their least-squares slope (never falling there)."""
+        residuals = self._residual.get(kind)
         if not residuals:
             return 0.0
-        if batch in residuals:
-            return residuals[batch]
         return _interpolate(residuals, batch, affine=True)
+
+    def loop_gap(self, kind: str, batch: int, width: int) -> float:
+        """Seconds a device-loop step of this shape takes beyond its profile over `self.context`
+        tokens: each measured width's gap per token at `batch` (linear in batch between the batches
+        that measured it, past them along their slope), and between widths linear; past the widest
+        along their slope (never falling: one width alone, its gap), below the narrowest in
+        proportion to the width (the module docstring)."""
+        at = {
+            w: _interpolate(row, batch, affine=True)
+            for (k, w), row in self._loop_gap.items()
+            if k == kind and row
+        }
+        if not at:
+            return 0.0
+        narrowest = min(at)
+        if width < narrowest:  # the least a part per request and one per row could make it
+            return at[narrowest] * width / narrowest * self.context
+        return max(_interpolate(at, width, affine=True), 0.0) * self.context
 
     def _borrow_shape(self, kind: str, width: int, row: dict[int, float], batch: int) -> float:
         """A live-only shape: between measured batches linear; outside them the nearest measured cost
