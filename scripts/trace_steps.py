@@ -15,6 +15,8 @@ steps (cProfile, top functions by cumulative time); TRACE_TORCH=N the same steps
 profiler (operators by host time and by device time, so a slow step shows whether it waits on the
 device or the host).
 
+TRACE_DATA names the data set (default mt-bench) or a prompts file, as `specserve bench --dataset`.
+
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
 """
 
@@ -43,6 +45,7 @@ PROFILE_STEPS = int(os.environ.get("TRACE_PROFILE", "0"))
 TORCH_STEPS = int(os.environ.get("TRACE_TORCH", "0"))
 RUNS = int(os.environ.get("TRACE_RUNS", "2"))
 SLOW_MS = float(os.environ.get("TRACE_SLOW_MS", "0"))
+DATA = os.environ.get("TRACE_DATA", "mt-bench")
 PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
 
 
@@ -125,7 +128,7 @@ def traced_run(
 
 def main() -> None:
     loaded = load_model("smollm2-135m-instruct", torch.device("cuda"), torch.bfloat16)
-    texts = prompt_texts("mt-bench", seed=0)
+    texts = prompt_texts(DATA, seed=0)
     chats = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     specs = [None] + [parse_spec(s) for s in SPECS]
     args = argparse.Namespace(

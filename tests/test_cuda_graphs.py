@@ -7,6 +7,7 @@ step must produce exactly what the eager step does: tokens equal, logprobs withi
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.step_input import PREFILL_GRAPH, build_step_input, unpack_step_input
-from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
+from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets, gc_paused
 from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
@@ -252,3 +253,17 @@ def test_smollm2_graphs_equal_eager_on_gpu(smollm2_gguf, mtbench_questions):
         graphed = LLM(loaded, dtype="float32", cuda_graph_max_batch=16, speculative=spec, **pool)
         assert graphed.engine.runner.graphs is not None and graphed.engine.runner.graphs.captured
         assert_same_outputs(graphed.generate(prompts, params), reference)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_garbage_collection_inside_a_capture_and_the_collector_s_state_kept(enabled):
+    """A collection inside a capture that frees an older graph makes CUDA fail the capture."""
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with pytest.raises(RuntimeError), gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("a failed capture")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -24,8 +24,10 @@ the CPU) the same buffers and padding run eagerly instead of being captured.
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -249,6 +251,21 @@ def capture(forward: Callable[[], T], pool=None) -> tuple[torch.cuda.CUDAGraph, 
         forward()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with gc_paused(), torch.cuda.graph(graph, pool=pool):
         outputs = forward()
     return graph, outputs
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside a capture: a collection there that frees an older engine's graph
+    resets it while the stream captures, which CUDA refuses, and the capture fails (the H200, a
+    bench's third engine built in one process; torch no longer collects before a capture itself).
+    What it would have freed waits for the next collection, outside any capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
