@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.spec.acceptance import AcceptanceTracker
+from specserve.spec.acceptance import AcceptanceTracker, expected_prefix
 from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier
-from specserve.spec.calibration import GoodputCalibration, batch_class
+from specserve.spec.calibration import ChainOutcomes, GoodputCalibration, batch_class, chain_outcomes
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 MS = 1e-3
@@ -17,6 +17,29 @@ ONE, TWO, FOUR, EIGHT = Tier.chain(1), Tier.chain(2), Tier.chain(4), Tier.chain(
 
 def test_batch_classes_are_powers_of_two():
     assert [batch_class(b) for b in (1, 2, 3, 4, 7, 8, 16, 63, 64)] == [1, 2, 2, 3, 3, 4, 5, 6, 7]
+
+
+def _flat(pairs) -> list[float]:
+    return [x for pair in pairs for x in pair]
+
+
+def test_a_chain_verify_says_what_every_chain_would_have_made_of_its_draft():
+    prefix = expected_prefix([0.5, 0.8, 0.5, 0.5])  # 1, 1.5, 1.9, 2.1, 2.2
+    depths = [1, 2, 4]
+    # a 2-chain draft, its first token kept: a 1-chain keeps it too, a 4-chain stops where it did
+    assert _flat(chain_outcomes(prefix, [(2, 1)], depths)) == pytest.approx([2, 1.5, 2, 1.9, 2, 2.2])
+    # both kept: past them the 4-chain is promised what its estimates promise given those two
+    (_, _), (_, _), (made, promised) = chain_outcomes(prefix, [(2, 2)], depths)
+    assert (made, promised) == pytest.approx((3 + (2.2 - 1.9) / 0.4, 2.2))
+    # a draft kept whole that its estimates gave no hope says nothing of deeper chains
+    hopeless = expected_prefix([0.005, 0.5])
+    assert _flat(chain_outcomes(hopeless, [(1, 1), (1, 0)], [1, 2])) == pytest.approx([3, 2.01, 1, 1.0075])
+    outcomes = ChainOutcomes(depths)
+    outcomes.add(prefix, [(2, 1)])
+    outcomes.add(prefix, [(4, 0), (0, 0)])  # no draft: nothing to judge
+    taken = outcomes.take()
+    assert _flat(taken[d] for d in depths) == pytest.approx([3, 3.0, 3, 3.8, 3, 4.4])
+    assert outcomes.take() == {}
 
 
 def _observe(cal: GoodputCalibration, tier: Tier, share: float, times: int = 1, batch: int = 16) -> None:

@@ -47,9 +47,9 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings, StepStats
-from specserve.spec.acceptance import AcceptanceTracker
+from specserve.spec.acceptance import AcceptanceTracker, expected_prefix
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
-from specserve.spec.calibration import GoodputCalibration
+from specserve.spec.calibration import ChainOutcomes, GoodputCalibration
 from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.shadow import Lookup, ShadowDrafts
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, robust_mean
@@ -131,6 +131,10 @@ class AdaptiveSpeculation:
         self._previous: _StepShape | None = None  # the step before: what this step's time may hold of it
         self.shadow: ShadowDrafts | None = None  # n-gram drafts scored while off (`use_shadow`)
         self._shadow_lookups = config.shadow_lookups
+        # every chain tier's outcome over each verify of any chain, for the corrections (trees: their
+        # own steady steps' tokens against the goodput promised, `_predicted`)
+        chains = [t.num_steps for t in self.tiers if t.topk == 1 and not t.off]
+        self._outcomes = ChainOutcomes(chains) if self.policy.calibration is not None and chains else None
 
     def use_shadow(self, lookup: Lookup) -> None:
         """The drafter is an n-gram lookup (host work): while off, score what it would have drafted
@@ -209,6 +213,8 @@ class AdaptiveSpeculation:
         budget = self._budgets.get(req.request_id, 0)
         if budget and not self.tier.off:
             kept = min(accepted, budget)
+            if self.tier.topk == 1:
+                self._chain_outcomes(req.request_id, [(budget, kept)])
             self.acceptance.observe(req.request_id, self.tier.topk, budget, kept, len(self._budgets))
             self._verified[req.request_id] += 1
             self._emitted += kept + 1
@@ -236,8 +242,21 @@ class AdaptiveSpeculation:
         session)."""
         kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]
         if kept:
+            self._chain_outcomes(req.request_id, kept)
             self.acceptance.observe_many(req.request_id, 1, kept, batch)
             self._verified[req.request_id] += len(kept)
+
+    def _chain_outcomes(self, request_id: str, verifies: Sequence[tuple[int, int]]) -> None:
+        """What each chain tier would have made of `request_id`'s chain verifies, against what its
+        estimates (before them) promised: the corrections' evidence (`calibration.ChainOutcomes`)."""
+        if self._outcomes is not None:
+            self._outcomes.add(expected_prefix(self.acceptance.rates(request_id, 1)), verifies)
+
+    def _settle_outcomes(self, batch: int) -> None:
+        if self._outcomes is not None:
+            outcomes = self._outcomes.take()
+            if outcomes:
+                self.policy.observe_chain_outcomes(batch, {Tier.chain(d): o for d, o in outcomes.items()})
 
     def observe_loop(self, batch: int, depth: int, seconds: float, context: float = 1.0) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
@@ -253,12 +272,9 @@ class AdaptiveSpeculation:
         """A device-loop run of chains `depth` long over `batch` requests, queued behind the run
         before it, emitted `tokens` in `seconds` (the step that settled it): the measured goodput
         (a loop's steps reach `observe_step` no other way: the metric stood still while loops ran)
-        and its tier's correction."""
+        and the chain tiers' corrections from its verifies."""
         self.policy.observe_step(tokens, seconds)
-        tier = Tier.chain(depth)
-        predicted = self._predicted.get(tier)
-        if predicted:
-            self.policy.observe_outcome(tier, batch, tokens, seconds, predicted)
+        self._settle_outcomes(batch)
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
@@ -266,6 +282,7 @@ class AdaptiveSpeculation:
         batch = len(items)
         clean = batch == self._decoding and all(item.num_known == 1 and item.completes for item in items)
         previous, self._previous = self._previous, _StepShape(self.tier, batch, clean)
+        self._settle_outcomes(batch)
         if not seconds:
             return
         self.policy.observe_step(stats.generation_tokens, seconds)
@@ -277,7 +294,8 @@ class AdaptiveSpeculation:
         # step's wall is the wait for the step before it (a prefill's, or none after a synchronous
         # step); a speculative one after plain steps settled them first (see the module docstring).
         steady = clean and not settle and previous == self._previous
-        if clean and not self._probe and previous is not None and previous.tier == self.tier:
+        tree = self.tier.topk > 1  # a chain's correction comes from its verifies (`_chain_outcomes`)
+        if tree and clean and not self._probe and previous is not None and previous.tier == self.tier:
             self.policy.observe_outcome(
                 self.tier, batch, stats.generation_tokens, seconds, self._predicted.get(self.tier, 0.0)
             )

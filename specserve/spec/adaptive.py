@@ -271,6 +271,14 @@ class AdaptivePolicy:
         if self.calibration is not None and not tier.off and seconds > 0:
             self.calibration.observe(tier, batch, tokens, seconds, predicted)
 
+    def observe_chain_outcomes(self, batch: int, outcomes: dict[Tier, tuple[float, float]]) -> None:
+        """What each chain tier would have emitted over a step's verifies of `batch` requests, against
+        what its estimates promised ((made, promised) tokens, `calibration.ChainOutcomes`): the chain
+        tiers' corrections, judged on the same drafts."""
+        if self.calibration is not None:
+            for tier, (made, promised) in outcomes.items():
+                self.calibration.observe(tier, batch, made, 1.0, promised)
+
     def _calibrated(self, scored: _Scores) -> dict[Tier, float]:
         """`scored`'s scores, each speculative tier's times its correction at the batch."""
         calibration = self.calibration

@@ -19,6 +19,16 @@ not yet measured keeps its prediction. Corrected outright, the simulated batch-6
 (`scripts/adaptive_sim.py`, where runs of 8 verifies waste rows on requests near their end) went off
 and lost 3%.
 
+A chain tier is judged on every verify of any chain, not only on its own steps
+(`ChainOutcomes`): greedy chains of one drafter share their drafts' prefixes, so a verify of a
+chain D deep that kept a drafts says what a chain d deep would have kept on that draft, min(a, d),
+for d <= D or a < D; past D, with all D kept, the estimates' own promise for the positions past D
+stands in (neutral: only what was verified moves a correction). Judged on its own steps only, a
+tier's ratio holds the states the policy picked it in: on the H200 (mixed prompts, batch 1) it ran
+the 8-chain when a request's estimates were high, those steps made 0.54 of their promise against
+the 1-chain's 1.05 on the steps left to it, and the policy held the 1-chain (0.92-0.95x the static
+8-chain) where every static chain from 2 up made more.
+
 A tier's ratio weighs by its evidence against `PRIOR` observations of the reference's, and the
 reference is a mean, not the best ratio: on the H200 (mixed prompts, batch 64) one step of the
 8-chain, run before its loop steps had priced it, made 1.53x its promise; as the reference it scored
@@ -28,6 +38,7 @@ engine steps (0.86x the best static chain).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # A correction stays within these: one step's evidence at a time, a burst of copying (or of misses)
@@ -43,6 +54,9 @@ IDLE_FADE = 0.995
 # 8-chain's 15% shortfall in tests/test_spec_adaptive_rows.py counted 12% and the policy went back to
 # it more often (171 runs against 154 over 16 seeds).
 PRIOR = 0.5
+# A verify that kept every draft of a chain whose estimates gave it less than this chance of doing so
+# says nothing of a deeper chain: the promise past it divided by this reach would blow up.
+MIN_REACH = 0.01
 
 
 @dataclass
@@ -129,3 +143,52 @@ class GoodputCalibration:
             f"{getattr(t, 'name', t)}@{1 << (c - 1)}": round(s.ratio, 3)
             for (t, c), s in sorted(self._sums.items(), key=lambda kv: (kv[0][1], str(kv[0][0])))
         }
+
+
+def chain_outcomes(
+    prefix: Sequence[float], verifies: Sequence[tuple[int, int]], depths: Sequence[int]
+) -> list[tuple[float, float]]:
+    """For each chain depth of `depths`: the tokens it would have emitted over `verifies` ((drafted,
+    accepted) of one request's chain drafts, in order) and the tokens `prefix` (that request's
+    `expected_prefix` before them) promised it. Past a draft whose every token was kept the
+    promise stands in for the positions it did not reach; where it held no hope of reaching them
+    (reach below `MIN_REACH`) that verify says nothing of the deeper chain."""
+    out = []
+    for depth in depths:
+        made = promised = 0.0
+        expected = prefix[min(depth, len(prefix) - 1)]
+        for drafted, accepted in verifies:
+            if drafted <= 0:
+                continue
+            if depth <= drafted or accepted < drafted:
+                made += min(accepted, depth) + 1
+            else:
+                reach = prefix[drafted] - prefix[drafted - 1]
+                if reach < MIN_REACH:
+                    continue
+                made += drafted + 1 + (expected - prefix[drafted]) / reach
+            promised += expected
+        out.append((made, promised))
+    return out
+
+
+class ChainOutcomes:
+    """Per chain depth, what the verifies since the last `take` would have made under it and what
+    the estimates promised (`chain_outcomes`), summed over requests."""
+
+    def __init__(self, depths: Sequence[int]) -> None:
+        self.depths = tuple(sorted(depths))
+        self._sums = [[0.0, 0.0] for _ in self.depths]
+
+    def add(self, prefix: Sequence[float], verifies: Sequence[tuple[int, int]]) -> None:
+        for sums, (made, promised) in zip(
+            self._sums, chain_outcomes(prefix, verifies, self.depths), strict=True
+        ):
+            sums[0] += made
+            sums[1] += promised
+
+    def take(self) -> dict[int, tuple[float, float]]:
+        """depth -> (made, promised) of the depths with a promise; cleared for the next step."""
+        out = {d: (m, p) for d, (m, p) in zip(self.depths, self._sums, strict=True) if p > 0}
+        self._sums = [[0.0, 0.0] for _ in self.depths]
+        return out
