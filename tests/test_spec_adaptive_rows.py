@@ -112,7 +112,7 @@ def _serve(
                         req.num_output = min(req.num_output + accepted + 1, tokens)
             if looped == tier:  # as `Engine._observe_loop`: a run queued behind the one before
                 context = context_tokens(reqs)
-                seconds = _loop_ms(batch, tier.num_steps, context / batch, *split) * MS
+                seconds = _loop_ms(batch, tier.num_steps, context, *split) * MS
                 control.observe_loop(batch, tier.num_steps, seconds, context)
                 emitted = sum(r.num_output for r in reqs) - before
                 control.observe_run(batch, tier.num_steps, emitted, RUN * seconds)
@@ -132,14 +132,15 @@ def _profile(batch: int, width: int) -> float:
     return (1.5 + 0.02 * width) * MS
 
 
-def _gap(width: int, tokens: float) -> float:
-    return tokens * (FIXED_MS + ROW_MS * width) * MS
+def _gap(width: int, context: float) -> float:
+    """A loop step's gap at batch 64 over contexts of `context` tokens."""
+    return 64 * context * (FIXED_MS + ROW_MS * width) * MS
 
 
 def test_a_loop_step_s_gap_is_priced_per_context_token_by_width():
     costs = StepCosts()
     costs.profile(VERIFY, [(64, q) for q in (2, 3, 5, 9)], _profile)
-    tokens = 64 * 240.0
+    tokens = 240.0  # the requests' mean context
     for _ in range(3):  # the 2-chain's loop steps, live
         costs.observe(VERIFY, 64, 3, _profile(64, 3) + _gap(3, tokens), rows=True, context=tokens)
     costs.context = tokens
@@ -161,13 +162,30 @@ def test_a_loop_step_s_gap_is_priced_per_context_token_by_width():
     assert sync.estimate(VERIFY, 64, 9) == pytest.approx(1.5e-3)
 
 
+def test_a_loop_gap_measured_at_a_smaller_batch_prices_a_larger_one_at_its_own():
+    """Past the measured batches, the nearest one's gap per token of the mean context. Per token of
+    all the requests' contexts, batch 4's gap priced batch 16 at 4 times it (the attention at batch 4
+    is bound by latency, not by its tokens), and no loop tier ran there to correct it (the H200, mixed
+    prompts: off for 160 engine steps where every static chain made 1.14-1.17x plain)."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(b, 3) for b in (4, 16)], lambda b, q: 1.0 * MS)
+    for _ in range(3):
+        costs.observe(VERIFY, 4, 3, 1.2 * MS, rows=True, context=800.0)
+    costs.context = 800.0
+    assert costs.estimate(VERIFY, 16, 3) == pytest.approx(1.2 * MS)
+    costs.context = 1600.0
+    assert costs.estimate(VERIFY, 16, 3) == pytest.approx(1.4 * MS)
+    # what the engine passes and prices by: the mean, whatever the batch
+    assert context_tokens([_request("a"), _request("b")]) == PROMPT + 1
+
+
 def test_loop_runs_refine_the_price_of_the_tiers_they_ran_and_of_those_between():
     control = _control(64)
     context = 240.0
     for depth in (2, 8):
         for _ in range(3):
-            control.observe_loop(64, depth, _loop_ms(64, depth, context) * MS, 64 * context)
-    control.costs.context = 64 * context  # as `decide` sets it for the step it prices
+            control.observe_loop(64, depth, _loop_ms(64, depth, context) * MS, context)
+    control.costs.context = context  # as `decide` sets it for the step it prices
     step = {k: control.policy.step_seconds(Tier.chain(k), 64) / MS for k in (1, 2, 4, 8)}
     real = {k: _loop_ms(64, k, context) for k in (1, 2, 4, 8)}
     for k in (2, 4, 8):

@@ -67,9 +67,9 @@ class _StepShape:
 
 
 def context_tokens(reqs: Sequence[Request]) -> float:
-    """The tokens a step over `reqs` attends over: their prompts' and outputs' (what a device loop's
-    step costs beyond its profile grows with, `StepCosts`)."""
-    return float(sum(r.prompt_len + r.num_output for r in reqs))
+    """The mean context of `reqs` in tokens, prompt and output (what a device loop's step costs beyond
+    its profile grows with, per request: `StepCosts`)."""
+    return sum(r.prompt_len + r.num_output for r in reqs) / max(len(reqs), 1)
 
 
 def settings_of(tier: Tier) -> SpecSettings:
@@ -135,6 +135,7 @@ class AdaptiveSpeculation:
         # own steady steps' tokens against the goodput promised, `_predicted`)
         chains = [t.num_steps for t in self.tiers if t.topk == 1 and not t.off]
         self._outcomes = ChainOutcomes(chains) if self.policy.calibration is not None and chains else None
+        self._contexts: dict[int, float] = {}  # batch -> its requests' mean context at its last decision
 
     def use_shadow(self, lookup: Lookup) -> None:
         """The drafter is an n-gram lookup (host work): while off, score what it would have drafted
@@ -184,7 +185,7 @@ class AdaptiveSpeculation:
             self.shadow.score(reqs)
         verifies = max(self._verified.values(), default=1)
         self._verified.clear()
-        self.costs.context = context_tokens(reqs)
+        self.costs.context = self._contexts[len(reqs)] = context_tokens(reqs)
         decision = self.policy.decide([r.request_id for r in reqs], remaining, verifies)
         if self.shadow is not None and decision.tier.off:
             if not self.policy.hopeless:  # else no estimate could change the decision: no lookups
@@ -260,10 +261,10 @@ class AdaptiveSpeculation:
 
     def observe_loop(self, batch: int, depth: int, seconds: float, context: float = 1.0) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
-        run the device ran back to back over `context` tokens (its requests' sum, `context_tokens`:
-        where the profile's contexts are empty, what it costs beyond the profile is priced per
-        context token, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a steady step of its
-        tier."""
+        run the device ran back to back over contexts of `context` tokens on average
+        (`context_tokens`: where the profile's contexts are empty, what it costs beyond the profile
+        is priced per context token, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a
+        steady step of its tier."""
         self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)
         name = Tier.chain(depth).name
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
@@ -363,7 +364,12 @@ class AdaptiveSpeculation:
         (`step_costs.robust_mean`), with their counts (`steady_steps`, `transition_steps`, of
         the last `DIAGNOSTIC_STEPS`), the probe record, and the predicted beside the measured
         goodput (tokens/s)."""
-        d = self.policy.diagnostics(batch)
+        costs, context = self.costs, self.costs.context
+        costs.context = self._contexts.get(batch or self.policy.last_batch, context)
+        try:  # priced over the contexts the policy last saw at that batch, not at the last decision's
+            d = self.policy.diagnostics(batch)
+        finally:
+            costs.context = context
         at = d["batch"]
         measured = {
             name: round(total / steps * 1e3, 4)

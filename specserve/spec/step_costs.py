@@ -26,10 +26,14 @@ and the policy would wander from tier to tier, each disappointing once tried (is
 
 A device loop's step (`observe`'s `rows`) has no host work between its forwards: what it costs beyond
 its profile is the attention over the requests' real contexts (the profile's rows hold one token).
-So its gap is kept per context token the step's requests hold (`context`: the engine passes their
-sum, and sets `StepCosts.context` to the sum of the step it prices; a gap measured over short
-contexts then prices one over long contexts in proportion, where a gap as it was lagged the
-contexts' growth), per width and batch, and a width not measured is priced from those that were:
+So its gap is kept per token of the requests' mean context (`context`: the engine passes it, and
+sets `StepCosts.context` to the mean of the step it prices; a gap measured over short contexts then
+prices one over long contexts in proportion, where a gap as it was lagged the contexts' growth), per
+width and batch: between measured batches linear, past them the nearest one's. Per token of all the
+requests' contexts instead, the gap measured at batch 4 (where the attention is bound by latency,
+not by the tokens) priced a loop step at batch 16 at 4 times its gap, and no loop tier ran there to
+correct it (the H200, mixed prompts: off for 160 engine steps where every static chain made 1.14-1.17x
+plain). A width not measured is priced from those that were:
 linear in the width through them (past the widest along their slope), so a fixed part per
 request and a part per query row. That split differs by device and text: on the H100 (eleventh
 session, MT-Bench, batch 64) the 8-chain's 9 rows cost ~1.65x the 2-chain's 3 beyond their profiles,
@@ -112,8 +116,8 @@ class StepCosts:
         # its last ones, and (kind, width) -> batch -> their robust mean
         self._loop_gaps: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
         self._loop_gap: dict[tuple[str, int], dict[int, float]] = {}
-        # the context tokens the step being priced attends over (its requests' sum); 1: unknown,
-        # and loop gaps are then kept and priced as measured
+        # the mean context (tokens) of the requests of the step being priced; 1: unknown, and loop
+        # gaps are then kept and priced as measured
         self.context = 1.0
 
     def observe(
@@ -129,7 +133,8 @@ class StepCosts:
         """A live step of this shape took `seconds`. `steady`: a step like its neighbours (no
         transition's extra cost in it); one that is not only fills in a shape nothing else prices.
         `rows`: a step with no host work (a device loop's), whose gap over its profile is the
-        attention over `context` tokens, its requests' (the module docstring)."""
+        attention over its requests' contexts, `context` tokens each on average (the module
+        docstring)."""
         if batch < 1 or width < 1 or not seconds > 0 or self.alpha == 0:
             return  # an empty or untimed step says nothing about cost; alpha 0 keeps the profile
         key = (kind, width, batch)
@@ -217,16 +222,12 @@ class StepCosts:
         return _interpolate(residuals, batch, affine=True)
 
     def loop_gap(self, kind: str, batch: int, width: int) -> float:
-        """Seconds a device-loop step of this shape takes beyond its profile over `self.context`
-        tokens: each measured width's gap per token at `batch` (linear in batch between the batches
-        that measured it, past them along their slope), and between widths linear; past the widest
-        along their slope (never falling: one width alone, its gap), below the narrowest in
-        proportion to the width (the module docstring)."""
-        at = {
-            w: _interpolate(row, batch, affine=True)
-            for (k, w), row in self._loop_gap.items()
-            if k == kind and row
-        }
+        """Seconds a device-loop step of this shape takes beyond its profile over contexts of
+        `self.context` tokens: each measured width's gap per token at `batch` (linear in batch
+        between the batches that measured it, past them the nearest one's), and between widths
+        linear; past the widest along their slope (never falling: one width alone, its gap), below
+        the narrowest in proportion to the width (the module docstring)."""
+        at = {w: _clamped(row, batch) for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not at:
             return 0.0
         narrowest = min(at)
@@ -280,6 +281,12 @@ def _slope(row: dict[int, float], sizes: list[int]) -> float:
     mean_v = sum(row[b] for b in sizes) / len(sizes)
     spread = sum((b - mean_b) ** 2 for b in sizes)
     return max(sum((b - mean_b) * (row[b] - mean_v) for b in sizes) / spread, 0.0)
+
+
+def _clamped(row: dict[int, float], batch: int) -> float:
+    """Linear between measured batches; outside them the nearest one's value."""
+    sizes = sorted(row)
+    return _interpolate(row, min(max(batch, sizes[0]), sizes[-1]))
 
 
 def _interpolate(row: dict[int, float], batch: int, affine: bool = False) -> float:
