@@ -248,22 +248,37 @@ def test_batch_1_of_a_copying_request_holds_the_long_chain(seed):
     assert control.policy.current == Tier.chain(8), tiers
 
 
-def test_a_loop_run_feeds_the_measured_goodput_and_every_chain_s_correction():
-    """A run of the 2-chain says what each chain would have kept of its drafts: the 1-chain as much
-    of each, the 4- and 8-chains no more where a draft stopped short, and past a draft kept whole
-    what their estimates promised. Here every draft's first token is kept and its second rejected:
-    each chain is judged against its promise on the same drafts, not on the steps it ran."""
+def test_a_loop_run_feeds_the_measured_goodput_and_its_tier_s_correction():
     control = _control(64)
     reqs = [_request(f"r{i}") for i in range(64)]
+    control.decide(reqs, 1)  # a standing decision: its tier's prediction is what a run is held to
+    tier, predicted = control.tier, control.predicted_goodput
+    assert not tier.off and predicted > 0
+    control.observe_run(64, tier.num_steps, tokens=700, seconds=0.02)
+    assert control.policy.measured_goodput == pytest.approx(700 / 0.02)  # the metric's source
+    # priced by its profile alone, the prediction is no measure of the tier: nothing corrected
+    assert f"{tier.name}@64" not in control.diagnostics(64)["calibration"]
+    for _ in range(3):  # its loop steps, steady: now its prediction is held to what it makes
+        control.observe_loop(64, tier.num_steps, _loop_ms(64, tier.num_steps, 240.0) * MS, 240.0)
     control.decide(reqs, 1)
-    promised = dict.fromkeys((1, 2, 4, 8), 0.0)  # by the estimates before each request's verifies
-    for req in reqs:
-        for k in promised:
-            promised[k] += RUN * control.acceptance.expected_tokens(req.request_id, 1, k) / (64 * RUN)
-        control.observe_chains(req, [(2, 1)] * RUN, 64)
-    control.observe_run(64, 2, tokens=64 * RUN * 2, seconds=0.02)
-    assert control.policy.measured_goodput == pytest.approx(64 * RUN * 2 / 0.02)  # the metric's source
+    tier, predicted = control.tier, control.predicted_goodput
+    control.observe_run(64, tier.num_steps, tokens=700, seconds=0.02)
     made = control.diagnostics(64)["calibration"]
+    assert made == {f"{tier.name}@64": pytest.approx(min(max(700 / (predicted * 0.02), 0.25), 2.0), abs=1e-3)}
+
+
+def test_at_batch_1_a_loop_run_feeds_every_chain_s_correction():
+    """A run of the 2-chain says what each chain would have kept of its drafts: the 1-chain as much
+    of each, the 4- and 8-chains no more where a draft stopped short. Here every draft's first token
+    is kept and its second rejected: each chain is judged against its promise on the same drafts,
+    not on the states the policy ran it in."""
+    control = _control(1)
+    req = _request("r0")
+    control.decide([req], 1)
+    promised = {k: control.acceptance.expected_tokens("r0", 1, k) for k in (1, 2, 4, 8)}
+    control.observe_chains(req, [(2, 1)] * RUN, 1)
+    control.observe_run(1, 2, tokens=RUN * 2, seconds=0.02)
+    made = control.diagnostics(1)["calibration"]
     for k in (1, 2, 4, 8):
-        assert made[f"{k}@64"] == pytest.approx(min(max(2 / promised[k], 0.25), 2.0), abs=1e-3)
-    assert made["1@64"] > made["2@64"] > made["8@64"]
+        assert made[f"{k}@1"] == pytest.approx(min(max(2 / promised[k], 0.25), 2.0), abs=1e-3)
+    assert made["1@1"] > made["2@1"] > made["8@1"]

@@ -55,6 +55,16 @@ from specserve.spec.shadow import Lookup, ShadowDrafts
 from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, robust_mean
 
 DIAGNOSTIC_STEPS = 256  # steps per (tier, batch) whose costs `diagnostics` summarises
+# Batches up to this judge each chain tier on every chain verify (`_chain_outcomes`); larger ones on
+# their own steps' tokens in their time. At batch 1 a step's tokens are its one request's, and the
+# tier its state picked: judged on its own steps the 8-chain, run when a request's estimates were
+# high, scored 0.54 of its promise against the 1-chain's 1.05 on the H200 (mixed prompts) and was
+# left, 0.92-0.95x the static 8-chain; judged on every verify, adaptive made 1.04-1.08x the best
+# static chain there. At batch 4-64 a batch ends with its slowest request and a loop's rows run on
+# past the others' ends, which a verify's tokens do not show: judged so, the policy ran the 8-chain
+# for most steps at 0.92-0.95x the best static chain, against 0.96-0.99x judged on its own steps
+# (the H200, one call, docs/benchmarks.md).
+COUNTERFACTUAL_BATCH = 1
 
 
 @dataclass(frozen=True)
@@ -131,8 +141,9 @@ class AdaptiveSpeculation:
         self._previous: _StepShape | None = None  # the step before: what this step's time may hold of it
         self.shadow: ShadowDrafts | None = None  # n-gram drafts scored while off (`use_shadow`)
         self._shadow_lookups = config.shadow_lookups
-        # every chain tier's outcome over each verify of any chain, for the corrections (trees: their
-        # own steady steps' tokens against the goodput promised, `_predicted`)
+        # every chain tier's outcome over each verify of any chain, for the corrections up to
+        # `COUNTERFACTUAL_BATCH` (else, and for trees: their own steady steps' tokens against the
+        # goodput promised, `_predicted`)
         chains = [t.num_steps for t in self.tiers if t.topk == 1 and not t.off]
         self._outcomes = ChainOutcomes(chains) if self.policy.calibration is not None and chains else None
         self._contexts: dict[int, float] = {}  # batch -> its requests' mean context at its last decision
@@ -214,7 +225,7 @@ class AdaptiveSpeculation:
         budget = self._budgets.get(req.request_id, 0)
         if budget and not self.tier.off:
             kept = min(accepted, budget)
-            if self.tier.topk == 1:
+            if self.tier.topk == 1 and self._decoding <= COUNTERFACTUAL_BATCH:
                 self._chain_outcomes(req.request_id, [(budget, kept)])
             self.acceptance.observe(req.request_id, self.tier.topk, budget, kept, len(self._budgets))
             self._verified[req.request_id] += 1
@@ -243,7 +254,8 @@ class AdaptiveSpeculation:
         session)."""
         kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]
         if kept:
-            self._chain_outcomes(req.request_id, kept)
+            if batch <= COUNTERFACTUAL_BATCH:
+                self._chain_outcomes(req.request_id, kept)
             self.acceptance.observe_many(req.request_id, 1, kept, batch)
             self._verified[req.request_id] += len(kept)
 
@@ -273,9 +285,14 @@ class AdaptiveSpeculation:
         """A device-loop run of chains `depth` long over `batch` requests, queued behind the run
         before it, emitted `tokens` in `seconds` (the step that settled it): the measured goodput
         (a loop's steps reach `observe_step` no other way: the metric stood still while loops ran)
-        and the chain tiers' corrections from its verifies."""
+        and the corrections: every chain tier's from its verifies up to `COUNTERFACTUAL_BATCH`,
+        else its own."""
         self.policy.observe_step(tokens, seconds)
         self._settle_outcomes(batch)
+        tier = Tier.chain(depth)
+        predicted = self._predicted.get(tier)
+        if predicted and batch > COUNTERFACTUAL_BATCH:
+            self.policy.observe_outcome(tier, batch, tokens, seconds, predicted)
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
         phases = stats.phases
@@ -295,8 +312,8 @@ class AdaptiveSpeculation:
         # step's wall is the wait for the step before it (a prefill's, or none after a synchronous
         # step); a speculative one after plain steps settled them first (see the module docstring).
         steady = clean and not settle and previous == self._previous
-        tree = self.tier.topk > 1  # a chain's correction comes from its verifies (`_chain_outcomes`)
-        if tree and clean and not self._probe and previous is not None and previous.tier == self.tier:
+        own = self.tier.topk > 1 or batch > COUNTERFACTUAL_BATCH  # else `_chain_outcomes`
+        if own and clean and not self._probe and previous is not None and previous.tier == self.tier:
             self.policy.observe_outcome(
                 self.tier, batch, stats.generation_tokens, seconds, self._predicted.get(self.tier, 0.0)
             )

@@ -19,8 +19,9 @@ not yet measured keeps its prediction. Corrected outright, the simulated batch-6
 (`scripts/adaptive_sim.py`, where runs of 8 verifies waste rows on requests near their end) went off
 and lost 3%.
 
-A chain tier is judged on every verify of any chain, not only on its own steps
-(`ChainOutcomes`): greedy chains of one drafter share their drafts' prefixes, so a verify of a
+At batch 1 (the engine's `COUNTERFACTUAL_BATCH`, `specserve/engine/adaptive_control.py`, which says
+why not at larger ones) a chain tier is judged on every verify of any chain, not only on its own
+steps (`ChainOutcomes`): greedy chains of one drafter share their drafts' prefixes, so a verify of a
 chain D deep that kept a drafts says what a chain d deep would have kept on that draft, min(a, d),
 for d <= D or a < D; past D, with all D kept, the estimates' own promise for the positions past D
 stands in (neutral: only what was verified moves a correction). Judged on its own steps only, a
