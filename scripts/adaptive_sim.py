@@ -657,7 +657,7 @@ def loop_run(
     for req in reqs:
         req.num_output = min(req.num_output, req.params.max_new_tokens)
     if resumed:
-        adaptive.observe_loop(n, k, step * MS, n * context)
+        adaptive.observe_loop(n, k, step * MS, context)
         adaptive.observe_run(n, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS)
     adaptive.idle()
     return LOOP_RUN * step, verifies, accepted_drafts
