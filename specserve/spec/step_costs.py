@@ -33,16 +33,18 @@ width and batch: between measured batches linear, past them the nearest one's. P
 requests' contexts instead, the gap measured at batch 4 (where the attention is bound by latency,
 not by the tokens) priced a loop step at batch 16 at 4 times its gap, and no loop tier ran there to
 correct it (the H200, mixed prompts: off for 160 engine steps where every static chain made 1.14-1.17x
-plain). A width not measured is priced from those that were:
-linear in the width through them (past the widest along their slope), so a fixed part per
-request and a part per query row. That split differs by device and text: on the H100 (eleventh
-session, MT-Bench, batch 64) the 8-chain's 9 rows cost ~1.65x the 2-chain's 3 beyond their profiles,
-while on the H200 (fourteenth session, mixed prompts) the 2-chain's loop step cost 1.84 ms against
-the 1-chain's 1.90, its gap all per request; charged per row from the 1-chain, it was priced 2.4 ms
-and never run. A width past those measured is priced at the least a fixed part and a part per row
-could make it (past the widest, its gap: one width alone, all fixed; below the narrowest, in
-proportion, all per row): a tier priced too dear is never run to correct it, while one priced too
-cheap is run, measured, and priced by the fit through its own width from then on.
+plain). A measured width is priced so too (its profile and its gap at today's contexts), not at its
+last steps' mean. A width not measured is priced from those that were: linear in the width through
+them, past the widest along their slope (never falling), so a fixed part per request and a part per
+query row. That split differs by device and text: on the H100 (eleventh session, MT-Bench, batch
+64) the 8-chain's 9 rows cost ~1.65x the 2-chain's 3 beyond their profiles, while on the H200
+(fifteenth session, MT-Bench, batch 64, `scripts/trace_steps.py`) the gaps of the 1-, 2-, 4- and
+8-chains were 0.33, 0.31, 0.29 and 0.24 ms: all per request (the attention reads a request's KV
+once for all its rows); charged per row from the 1-chain, the 2-chain was priced 2.4 ms on mixed
+prompts where it cost ~1.9, and never ran. Where the measured widths do not settle the split, a
+width gets the least it could make it: past the one width measured, that width's gap (all fixed);
+below the narrowest, in proportion (all per row). A tier priced too dear is never run to correct
+it, while one priced too cheap is run, measured, and priced by the fit through its own width.
 
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
 shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
