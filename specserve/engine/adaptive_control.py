@@ -225,7 +225,7 @@ class AdaptiveSpeculation:
         budget = self._budgets.get(req.request_id, 0)
         if budget and not self.tier.off:
             kept = min(accepted, budget)
-            if self.tier.topk == 1 and self._decoding <= COUNTERFACTUAL_BATCH:
+            if self._on_verifies(self._decoding, self.tier.topk):
                 self._chain_outcomes(req.request_id, [(budget, kept)])
             self.acceptance.observe(req.request_id, self.tier.topk, budget, kept, len(self._budgets))
             self._verified[req.request_id] += 1
@@ -254,10 +254,15 @@ class AdaptiveSpeculation:
         session)."""
         kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]
         if kept:
-            if batch <= COUNTERFACTUAL_BATCH:
+            if self._on_verifies(batch):
                 self._chain_outcomes(req.request_id, kept)
             self.acceptance.observe_many(req.request_id, 1, kept, batch)
             self._verified[req.request_id] += len(kept)
+
+    def _on_verifies(self, batch: int, topk: int = 1) -> bool:
+        """Whether a tier's correction at `batch` comes from every chain verify (`_chain_outcomes`),
+        not from its own steps: a chain's (`topk` 1), up to `COUNTERFACTUAL_BATCH`."""
+        return self._outcomes is not None and topk == 1 and batch <= COUNTERFACTUAL_BATCH
 
     def _chain_outcomes(self, request_id: str, verifies: Sequence[tuple[int, int]]) -> None:
         """What each chain tier would have made of `request_id`'s chain verifies, against what its
@@ -291,7 +296,7 @@ class AdaptiveSpeculation:
         self._settle_outcomes(batch)
         tier = Tier.chain(depth)
         predicted = self._predicted.get(tier)
-        if predicted and batch > COUNTERFACTUAL_BATCH:
+        if predicted and not self._on_verifies(batch):
             self.policy.observe_outcome(tier, batch, tokens, seconds, predicted)
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats) -> None:
@@ -312,7 +317,7 @@ class AdaptiveSpeculation:
         # step's wall is the wait for the step before it (a prefill's, or none after a synchronous
         # step); a speculative one after plain steps settled them first (see the module docstring).
         steady = clean and not settle and previous == self._previous
-        own = self.tier.topk > 1 or batch > COUNTERFACTUAL_BATCH  # else `_chain_outcomes`
+        own = not self._on_verifies(batch, self.tier.topk)
         if own and clean and not self._probe and previous is not None and previous.tier == self.tier:
             self.policy.observe_outcome(
                 self.tier, batch, stats.generation_tokens, seconds, self._predicted.get(self.tier, 0.0)
