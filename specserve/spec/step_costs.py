@@ -41,7 +41,7 @@ query row. That split differs by device and text: on the H100 (eleventh session,
 (fifteenth session, MT-Bench, batch 64, `scripts/trace_steps.py`) the gaps of the 1-, 2-, 4- and
 8-chains were 0.33, 0.31, 0.29 and 0.24 ms: all per request (the attention reads a request's KV
 once for all its rows); charged per row from the 1-chain, the 2-chain was priced 2.4 ms on mixed
-prompts where it cost ~1.9, and never ran. Where the measured widths do not settle the split, a
+prompts where its few steps cost ~1.9 (fourteenth session), and it never ran. Where the measured widths do not settle the split, a
 width gets the least it could make it: past the one width measured, that width's gap (all fixed);
 below the narrowest, in proportion (all per row). A tier priced too dear is never run to correct
 it, while one priced too cheap is run, measured, and priced by the fit through its own width.
