@@ -419,7 +419,8 @@ def _table(rows: list[BenchRow]) -> tuple[list[str], list[list[str]]]:
 def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
     """One line per adaptive run: the policy's step ms per tier beside the mean ms of its steady
     steps (what prices it) and of its transitions (probes, first steps after plain ones; settles
-    left out), with their counts; pooled acceptance per position, probes (won), predicted vs
+    left out), with their counts; pooled acceptance per position, probes (won), the switches at
+    the batch and what one costs there, predicted vs
     measured goodput, each tier's made/promised tokens: why it chose what it did."""
     lines = []
     for r in rows:
@@ -432,6 +433,7 @@ def _adaptive_lines(rows: list[BenchRow]) -> list[str]:
             f"adaptive {r.system} b{r.batch_size}: now {d['current']}; ms/step at b{d['batch']} "
             f"(predicted/steady/transitions (steps)) {cost}; accept/pos {accept}; "
             f"probes {d['probes_won']}/{d['probes']} won (every {d['probe_interval']}); "
+            f"switches {d.get('switches_at_batch', 0)} (a switch {d.get('switch_ms', 0.0):.2f} ms); "
             f"goodput pred {d['predicted_goodput']:,.0f} meas {d['measured_goodput']:,.0f} tok/s"
             + (f"; made/promised {_corrections(d['calibration'])}" if d.get("calibration") else "")
         )

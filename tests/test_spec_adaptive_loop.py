@@ -198,19 +198,22 @@ def test_batch_1_holds_the_best_static_chain(seed):
     assert steps.count("3") >= 0.8 * len(steps)
 
 
-def _switch_after(verifies: int) -> int:
+def _switch_after(verifies: int, settle_ms: float = 0.0, accepted: int = 4) -> int:
     """Decisions, each after `verifies` verifies, until the policy leaves a standing 1-chain for the
-    4-chain, which every decision finds better by far."""
+    4-chain, which every decision finds better (by far, with every draft `accepted`). `settle_ms`:
+    what a switch costs (the host's settle of a loop run)."""
     costs = StepCosts()
     costs.profile(VERIFY, [(1, q) for q in (1, 2, 5)], lambda b, q: LOOP_MS.get(q - 1, PLAIN_MS) * MS)
     costs.profile(DRAFT, [(1, 1)], lambda b, w: 1e-6)
     tracker = AcceptanceTracker(4)
     for _ in range(50):
-        tracker.observe("r", 1, drafted=4, accepted=4)
+        tracker.observe("r", 1, drafted=4, accepted=accepted)
     tiers = [OFF, Tier.chain(1), Tier.chain(4)]
     policy = AdaptivePolicy(tiers, costs, tracker, patience=3, probe_every=10_000)
     policy.current = Tier.chain(1)
-    for decisions in range(1, 10):
+    for _ in range(3):
+        policy.observe_switch_cost(1, settle_ms * MS)
+    for decisions in range(1, 40):
         if policy.decide(["r"], verifies=verifies).switched:
             return decisions
     return 0
@@ -222,6 +225,36 @@ def test_patience_counts_verifies_not_engine_steps():
     engine steps, 3 runs: 24 verifies)."""
     assert _switch_after(1) == 3
     assert _switch_after(RUN) == 2
+
+
+def test_a_challenger_must_win_long_enough_to_pay_for_the_switch():
+    """Where a switch exposes a run's settle, the challenger's streak must reach the settle over its
+    gain per verify of the standing tier (0.80 ms, the 1-chain's). Every draft accepted, the
+    4-chain makes 5 tokens in 1.19 ms against the 1-chain's 2 in 0.80 (a gain of ~68%): a 1 ms
+    settle is paid within `patience`, a 10 ms one in 19 verifies, three runs after the first
+    decision. Three of four accepted, the gain is ~34%: a 10 ms settle takes 37 verifies, five runs;
+    a settle of 0.05 ms (batch 1's) leaves it to `patience`."""
+    assert _switch_after(1, settle_ms=1.0) == 3
+    assert _switch_after(RUN, settle_ms=1.0) == 2
+    assert _switch_after(1, settle_ms=10.0) == 19
+    assert _switch_after(RUN, settle_ms=10.0) == 4
+    assert _switch_after(1, settle_ms=10.0, accepted=3) == 37
+    assert _switch_after(RUN, settle_ms=10.0, accepted=3) == 6
+    assert _switch_after(1, settle_ms=0.05, accepted=3) == 3
+
+
+def test_the_switch_cost_is_the_robust_mean_of_the_loop_settles_by_batch():
+    control = _control()
+    policy = control.policy
+    assert policy.switch_seconds(4) == 0.0  # none measured: a synchronous engine's switch is free
+    for settle in (1.0, 1.2, 9.0):  # a settle that paid for something else drops out
+        control.observe_loop(4, 3, LOOP_MS[3] * MS, settle=settle * MS)
+    for _ in range(3):
+        control.observe_loop(64, 3, LOOP_MS[3] * MS, settle=4.0 * MS)
+    assert policy.switch_seconds(4) == pytest.approx(1.1 * MS)
+    assert policy.switch_seconds(1) == pytest.approx(1.1 * MS)  # below the measured: the nearest
+    assert policy.switch_seconds(34) == pytest.approx(2.55 * MS)  # between them: linear
+    assert policy.switch_seconds(128) == pytest.approx(4.0 * MS)
 
 
 def test_the_control_hands_the_policy_the_verifies_a_run_settled():

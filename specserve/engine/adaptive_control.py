@@ -276,13 +276,17 @@ class AdaptiveSpeculation:
             if outcomes:
                 self.policy.observe_chain_outcomes(batch, {Tier.chain(d): o for d, o in outcomes.items()})
 
-    def observe_loop(self, batch: int, depth: int, seconds: float, context: float = 1.0) -> None:
+    def observe_loop(
+        self, batch: int, depth: int, seconds: float, context: float = 1.0, settle: float = 0.0
+    ) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
         run the device ran back to back over contexts of `context` tokens on average
         (`context_tokens`: where the profile's contexts are empty, what it costs beyond the profile
         is priced per context token, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a
-        steady step of its tier."""
+        steady step of its tier. `settle`: the host's seconds appending the run before, which the
+        device spent on this one and a switch leaves it idle for (the policy's switch cost)."""
         self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)
+        self.policy.observe_switch_cost(batch, settle)
         name = Tier.chain(depth).name
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 

@@ -668,7 +668,8 @@ class Engine:
         if flight is not None and flight.resumed and seconds:
             batch, depth = len(flight.reqs), flight.loop.num_steps
             context = context_tokens(flight.reqs)
-            self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context)
+            settle = stats.phases.get("postprocess", 0.0)
+            self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context, settle)
             self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds)
         self.adaptive.idle()
 

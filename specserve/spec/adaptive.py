@@ -11,7 +11,14 @@ steps). Speculation off is the tier whose drafts are empty: one token per reques
 step's cost. The best tier replaces the current one only when it beats it by `hysteresis` over
 `patience` verifies (decisions in a row, synchronously; a device loop's engine step settles a run of
 up to 8), so noise in the estimates does not make the engine flap between shapes (each switch may
-mean other CUDA graphs and a cold draft cache). While a chain stands, the positions past it up to
+mean other CUDA graphs and a cold draft cache). Where a switch costs time of its own (a device loop's
+runs are queued back to back while the tier stands, and a switch exposes the host's settle of the
+last run, `observe_switch_cost`), the challenger must win long enough for its gain to have paid for
+one: its streak in verifies at least the switch's seconds over the gain's per verify of the standing
+tier (`_patience_for`). A gain of 5% pays for a 4 ms settle at batch 64 (1.4 ms loop steps) in ~57
+verifies. Counted as 3, an A/B in one call on the H200 (the shipped head, MT-Bench) made 0.93 / 0.82
+/ 0.98x the best static chain at batch 4 / 16 / 64 (its tier steps spread over 3-5 tiers), with the
+settle paid for 1.00 / 0.99 / 1.01x (3 / 0 / 8 switches). While a chain stands, the positions past it up to
 the next deeper tier's are scored by their upper confidence bound (`_explore_span`): the standing
 chain never tests them, and a deeper tier must get run to be judged.
 
@@ -72,6 +79,8 @@ the acceptance (`_hopeless`, from the cost tables alone), a decision reads no re
 from __future__ import annotations
 
 import bisect
+import math
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,7 +88,15 @@ from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
 from specserve.spec.calibration import GoodputCalibration
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
-from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, VERIFY, StepCosts
+from specserve.spec.step_costs import (
+    DECODE,
+    DRAFT,
+    MIN_SAMPLES,
+    VERIFY,
+    StepCosts,
+    clamped,
+    robust_mean,
+)
 
 
 @dataclass(frozen=True, order=True)
@@ -181,6 +198,10 @@ class AdaptivePolicy:
         self.hopeless = False  # the last decision was off with no tier able to win (`_hopeless`)
         self.current: Tier | None = None
         self.switches = 0
+        self.switches_at: Counter[int] = Counter()  # batch -> switches decided there
+        # batch -> the last host settles a switch exposes (seconds), and their robust means
+        self._settles: dict[int, deque[tuple[float, float]]] = {}
+        self._switch_cost: dict[int, float] = {}
         self.measured_goodput = 0.0
         self.probe_interval = probe_every  # steps off between probes: grows while probes lose
         self.probes = self.probes_won = 0
@@ -263,6 +284,21 @@ class AdaptivePolicy:
 
     def forget(self, request_id: str) -> None:
         self._idle.pop(request_id, None)
+
+    def observe_switch_cost(self, batch: int, seconds: float) -> None:
+        """A switch at `batch` would cost `seconds` of its own: the host's settle of a device-loop
+        run, hidden behind the next run while the tier stands, exposed when it changes."""
+        if batch < 1 or not seconds > 0:
+            return
+        kept = self._settles.setdefault(batch, deque(maxlen=self.rescore_every))
+        kept.append((seconds, seconds))
+        if len(kept) >= MIN_SAMPLES:
+            self._switch_cost[batch] = robust_mean(kept)
+
+    def switch_seconds(self, batch: int) -> float:
+        """What a switch costs at `batch`: linear between the batches that measured one, outside
+        them the nearest one's; 0 where none did (a synchronous engine: the next step is as dear)."""
+        return clamped(self._switch_cost, batch) if self._switch_cost else 0.0
 
     def observe_outcome(self, tier: Tier, batch: int, tokens: int, seconds: float, predicted: float) -> None:
         """A steady step (or device-loop run) of `tier` over `batch` requests emitted `tokens` in
@@ -348,6 +384,8 @@ class AdaptivePolicy:
             "pooled_acceptance": {k: [round(r, 3) for r in self.acceptance.pooled(k)] for k in topks},
             "pooled_tested": {k: [round(n, 1) for n in self.acceptance.pooled_tested(k)] for k in topks},
             "switches": self.switches,
+            "switches_at_batch": self.switches_at.get(batch, 0),
+            "switch_ms": round(self.switch_seconds(batch) * 1e3, 4),
             "probes": self.probes,
             "probes_won": self.probes_won,
             "probe_interval": self.probe_interval,
@@ -644,13 +682,25 @@ class AdaptivePolicy:
             return False
         self._streak = self._streak + verifies if best == self._challenger else 1
         self._challenger = best
-        if self._streak < self.patience:
+        if self._streak < self._patience_for(scores[best], scores[self.current]):
             return False
         self.current, self._challenger, self._streak = best, None, 0
         self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
         self.switches += 1
+        self.switches_at[self.last_batch] += 1
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True
+
+    def _patience_for(self, challenger: float, standing: float) -> float:
+        """Verifies a challenger scoring `challenger` must win for against the standing tier's
+        `standing` before a switch: `patience`, or as many as its gain takes to pay for the switch's
+        own cost at this batch (the module docstring), whichever is more."""
+        cost = self.switch_seconds(self.last_batch)
+        if cost <= 0 or standing <= 0:
+            return self.patience
+        step = self.step_seconds(self.current, self.last_batch)
+        gain = challenger / standing - 1.0
+        return max(self.patience, math.ceil(cost / (gain * step))) if gain > 0 and step > 0 else self.patience
 
 
 @dataclass

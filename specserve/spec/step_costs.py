@@ -229,7 +229,7 @@ class StepCosts:
         between the batches that measured it, past them the nearest one's), and between widths
         linear; past the widest along their slope (never falling: one width alone, its gap), below
         the narrowest in proportion to the width (the module docstring)."""
-        at = {w: _clamped(row, batch) for (k, w), row in self._loop_gap.items() if k == kind and row}
+        at = {w: clamped(row, batch) for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not at:
             return 0.0
         narrowest = min(at)
@@ -285,7 +285,7 @@ def _slope(row: dict[int, float], sizes: list[int]) -> float:
     return max(sum((b - mean_b) * (row[b] - mean_v) for b in sizes) / spread, 0.0)
 
 
-def _clamped(row: dict[int, float], batch: int) -> float:
+def clamped(row: dict[int, float], batch: int) -> float:
     """Linear between measured batches; outside them the nearest one's value."""
     sizes = sorted(row)
     return _interpolate(row, min(max(batch, sizes[0]), sizes[-1]))
