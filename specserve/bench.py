@@ -194,10 +194,16 @@ def run(args: argparse.Namespace) -> int:
     for b in batch_sizes:
         batches = [prompts[i : i + b] for i in range(0, b * _batch_count(b, args), b)]
         batch = batches[0]
-        for name, engine in engines.items():
-            runs = [_time_engine(engine, batches, args.max_new_tokens) for _ in range(args.repeats)]
+        # Repeats in rounds over the systems, not back to back: a slow spell of the machine (the
+        # H200's plain decoding at batch 64 made 27k tok/s for a few seconds of a call where it
+        # made 37k otherwise) then falls on one repeat of several systems, not on every repeat of one.
+        runs: dict[str, list[tuple]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                runs[name].append(_time_engine(engine, batches, args.max_new_tokens))
+        for name, timed in runs.items():
             # The lower median: of two runs the faster, as a late kernel compile lands in one run only.
-            run = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
+            run = sorted(timed, key=lambda run: run[0])[(len(timed) - 1) // 2]
             rows.append(_row(name, b, args.max_new_tokens, *run, batches=len(batches)))
         if hf is not None:
             rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))

@@ -186,6 +186,29 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
         assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_repeats_in_rounds_over_the_systems(tiny_folder, tmp_path, monkeypatch):
+    """With --repeats 2 every system runs once before any runs again (a slow spell of the machine
+    falls on one repeat of several systems, not on both of one), and each row is its faster run."""
+    import specserve.bench as bench
+
+    order: list[tuple[int, float]] = []
+    seconds = iter(range(100, 0, -1))  # each timed run faster than the one before
+
+    def timed(llm, batches, new_tokens):
+        order.append((id(llm), new_tokens))
+        return float(next(seconds)), None, {}, None, None
+
+    monkeypatch.setattr(bench, "_time_engine", timed)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1", "--max-new-tokens", "4", "--device"]
+    argv += ["cpu", "--spec", "ngram:3", "--repeats", "2", "--min-prompts", "1", "--out", str(out)]
+    assert main(argv) == 0
+    timed_runs = [engine for engine, tokens in order if tokens == 4]  # not the warm-up runs (WARMUP_TOKENS)
+    assert len(timed_runs) == 4 and timed_runs[:2] == timed_runs[2:] and timed_runs[0] != timed_runs[1]
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["specserve"]["seconds"] == 96.0 and rows["specserve-ngram-3"]["seconds"] == 95.0
+
+
 def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys):
     argv = ["bench", "--model", str(tiny_folder), "--spec", "ngram:4", "--speculative", "ngram"]
     assert main([*argv, "--out", str(tmp_path / "b.json")]) == 2
