@@ -10,8 +10,9 @@
 # Environment: BATCHES (default 1,4,16,64), NEW_TOKENS (256), REPEATS (3), MIN_BATCHES (4: each
 # batch size runs at least 4 batches back to back, so batch 64 is timed over seconds, not half of
 # one, and the policy's moves after the batch size changed weigh less), DATASETS ("mt-bench
-# mixed"), STATIC ("ngram:1 ngram:2 ngram:4 ngram:8"), ADAPTIVE ("ngram:adaptive-8"), BENCH_ARGS
-# (more flags, e.g. "--spec eagle3:5:HEAD --spec eagle3:adaptive-5:HEAD").
+# mixed"), STATIC ("ngram:1 ngram:2 ngram:4 ngram:8"), ADAPTIVE ("ngram:adaptive-8"; several, e.g.
+# "ngram:adaptive-8 ngram:adaptive-8,patience=8", run variants of the settings side by side),
+# BENCH_ARGS (more flags, e.g. "--spec eagle3:5:HEAD --spec eagle3:adaptive-5:HEAD").
 set -uo pipefail
 OUT=${OUT:-/tmp/specserve-out}
 # gpu_check.sh's set-up only (wheels into /tmp/site, the model and MT-Bench into the cache, nvidia-smi).

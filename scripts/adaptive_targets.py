@@ -21,7 +21,7 @@ def check(report: dict) -> tuple[list[str], bool]:
     rows: dict[str, dict[int, float]] = {}
     for row in report["rows"]:
         rows.setdefault(row["system"], {})[row["batch_size"]] = row["tokens_per_s"]
-    adaptive = [s for s in rows if s.endswith("-adaptive")]
+    adaptive = [s for s in rows if s.endswith("-adaptive") or "-adaptive-" in s]  # variants named by settings
     static = [s for s in rows if s.startswith(PLAIN) and s not in adaptive]  # plain included
     mixed = "mixed" in str(report.get("dataset", ""))
     lines, ok = [], True

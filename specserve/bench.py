@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="METHOD[:SHAPE[:DRAFT_MODEL]]",
         help="a speculative configuration to run besides plain decoding (repeatable); SHAPE is "
         "NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree), "
-        "e.g. ngram:4, ngram:6x8x64 or eagle3:5x4x16:path/to/head",
+        "e.g. ngram:4, ngram:6x8x64 or eagle3:5x4x16:path/to/head; adaptive[-SHAPE] with its "
+        "settings after commas, e.g. ngram:adaptive-8,patience=8",
     )
     add_speculative_arguments(parser)  # one more configuration, the older way
     parser.add_argument(

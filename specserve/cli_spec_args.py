@@ -4,13 +4,16 @@
 `--adaptive` lets adaptive speculation pick among shapes up to it every step; `bench` also takes
 `--spec` specs (`METHOD[:SHAPE[:DRAFT_MODEL]]`, repeatable) to compare several in one run, where SHAPE
 is NUM_STEPS (a chain) or NUM_STEPSxTOPK[xNUM_DRAFT_TOKENS] (a tree), and `adaptive` or
-`adaptive-SHAPE` the adaptive configuration over the default tiers up to that shape. `--draft-vocab N`
-cuts an EAGLE-3 head's draft vocabulary to the N ids its token ranking puts first.
+`adaptive-SHAPE` the adaptive configuration over the default tiers up to that shape, its settings
+after commas (`ngram:adaptive-8,hysteresis=0.1`: two variants of the policy side by side in one
+process, their repeats in the same rounds). `--draft-vocab N` cuts an EAGLE-3 head's draft vocabulary
+to the N ids its token ranking puts first.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from specserve.config import SPEC_METHODS, SpeculativeConfig
 
@@ -128,10 +131,13 @@ def parse_spec(text: str) -> dict:
     """`METHOD[:SHAPE[:DRAFT_MODEL]]` (e.g. `ngram:4`, `ngram:6x8x64`, `eagle3:5:heads/llama3-eagle3`)
     as a validated speculative config mapping; SHAPE is NUM_STEPS[xTOPK[xNUM_DRAFT_TOKENS]], or
     `adaptive` / `adaptive-SHAPE` (e.g. `ngram:adaptive-8`): adaptive speculation over the default
-    tiers up to that shape (default ADAPTIVE_NUM_STEPS); `@N` after it: `draft_vocab` N (e.g.
-    `eagle3:3@8192:HEAD`). An argparse type, so a bad spec is a usage error."""
+    tiers up to that shape (default ADAPTIVE_NUM_STEPS), `,NAME=VALUE` after it: its settings
+    (`speculative.adaptive`, e.g. `ngram:adaptive-8,hysteresis=0.1,patience=5`); `@N` after the
+    shape: `draft_vocab` N (e.g. `eagle3:3@8192:HEAD`). An argparse type, so a bad spec is a usage
+    error."""
     method, _, rest = text.partition(":")
     shape, _, draft = rest.partition(":")  # the draft path keeps any further colons
+    shape, *settings = shape.split(",")
     shape, at, vocab = shape.partition("@")
     spec: dict = {"method": method, "num_steps": DEFAULT_NUM_STEPS}
     if at:
@@ -139,8 +145,10 @@ def parse_spec(text: str) -> dict:
             raise argparse.ArgumentTypeError(f"{text!r}: @N must be the draft vocabulary's size (an integer)")
         spec["draft_vocab"] = int(vocab)
     if shape == "adaptive" or shape.startswith("adaptive-"):
-        spec.update(num_steps=ADAPTIVE_NUM_STEPS, adaptive=True)
+        spec.update(num_steps=ADAPTIVE_NUM_STEPS, adaptive=_adaptive_settings(text, settings))
         shape = shape.removeprefix("adaptive").removeprefix("-")
+    elif settings:
+        raise argparse.ArgumentTypeError(f"{text!r}: settings after the shape need an adaptive one")
     if shape:
         try:
             numbers = [int(part) for part in shape.split("x")]
@@ -160,10 +168,25 @@ def parse_spec(text: str) -> dict:
     return spec
 
 
+def _adaptive_settings(text: str, settings: list[str]) -> dict | bool:
+    """`NAME=VALUE` pairs as adaptive speculation's settings (values read as JSON: numbers, true,
+    null; else strings); True (the defaults) when there are none."""
+    out: dict = {}
+    for item in settings:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise argparse.ArgumentTypeError(f"{text!r}: adaptive settings are NAME=VALUE, got {item!r}")
+        try:
+            out[name] = json.loads(value)
+        except json.JSONDecodeError:
+            out[name] = value
+    return out or True
+
+
 def spec_name(spec: dict | None) -> str:
     """A system's name in bench reports: `specserve` (plain), `specserve-METHOD-NUM_STEPS` (a chain)
     or `specserve-METHOD-NUM_STEPSxTOPKxNUM_DRAFT_TOKENS` (a tree); `-adaptive` appended when the
-    shape is adaptive speculation's largest."""
+    shape is adaptive speculation's largest, and then its settings given (`-hysteresis0.1`)."""
     if spec is None:
         return "specserve"
     config = SpeculativeConfig.from_value(spec)
@@ -171,7 +194,12 @@ def spec_name(spec: dict | None) -> str:
     if config.topk > 1:
         shape += f"x{config.topk}x{config.draft_tokens}"
     vocab = "" if config.draft_vocab is None else f"-vocab{config.draft_vocab}"
-    return f"specserve-{config.method}-{shape}{vocab}" + ("-adaptive" if config.adaptive is not None else "")
+    name = f"specserve-{config.method}-{shape}{vocab}"
+    if config.adaptive is None:
+        return name
+    given = spec.get("adaptive")
+    settings = given if isinstance(given, dict) else {}
+    return name + "-adaptive" + "".join(f"-{key}{value}" for key, value in sorted(settings.items()))
 
 
 def draft_slots(spec: dict | None) -> int:

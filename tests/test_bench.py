@@ -109,7 +109,17 @@ def test_spec_parsing():
     cut = parse_spec("eagle3:3@8192:specserve/heads/smollm2-135m-instruct")
     assert cut["draft_vocab"] == 8192 and cut["num_steps"] == 3
     assert spec_name(cut) == "specserve-eagle3-3-vocab8192"
+    assert parse_spec("ngram:adaptive-8") == {"method": "ngram", "num_steps": 8, "adaptive": True}
+    variant = parse_spec("ngram:adaptive-8,hysteresis=0.1,patience=5")
+    assert variant["adaptive"] == {"hysteresis": 0.1, "patience": 5} and variant["num_steps"] == 8
+    assert spec_name(variant) == "specserve-ngram-8-adaptive-hysteresis0.1-patience5"
+    assert spec_name(parse_spec("ngram:adaptive-8")) == "specserve-ngram-8-adaptive"
+    assert parse_spec("eagle3:adaptive-4,hysteresis=0.2:heads/a:b")["draft_model"] == "heads/a:b"
     bad_specs = [
+        ("ngram:4,hysteresis=0.1", "adaptive one"),
+        ("ngram:adaptive-8,hysteresis", "NAME=VALUE"),
+        ("ngram:adaptive-8,no_such_knob=1", "no_such_knob"),
+        ("ngram:adaptive-8,patience=0", "patience"),
         ("magic:4", "method"),
         ("ngram:x", "NUM_STEPS"),
         ("eagle3:5", "draft_model"),
