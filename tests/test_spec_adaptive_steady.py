@@ -181,6 +181,33 @@ def test_plain_steps_run_in_a_row_while_speculating_until_one_is_priced():
     assert all(not policy.decide(["a"]).tier.off for _ in range(24))
 
 
+def test_plain_steps_priced_at_a_batch_of_the_class_stop_the_rows_of_plain_steps():
+    """A batch thins in its tail, a few steps at each size: a plain step's price at 60 serves 50 (one
+    class, 32-63, whose other sizes the cost tables price from it), while 20 still gets its rows."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.1 * MS)
+    costs.profile(DRAFT, [(b, 1) for b in (16, 64)], lambda b, w: 0.02 * MS)
+    policy = AdaptivePolicy(
+        default_tiers(8),
+        costs,
+        AcceptanceTracker(8),
+        draft_per_step=False,
+        overlapped_off=True,
+        probe_every=8,
+    )
+    for _ in range(20):  # long matches: the 8-chain stands
+        policy.acceptance.observe("a", 1, 8, 8)
+    for _ in range(MIN_SAMPLES):
+        costs.observe(DECODE, 60, 1, 0.9 * MS)
+
+    def tiers(batch: int) -> list[Tier]:
+        return [policy.decide([f"r{i}" for i in range(batch)]).tier for _ in range(24)]
+
+    assert not any(t.off for t in tiers(50))
+    assert any(t.off for t in tiers(20))
+    assert costs.estimate(DECODE, 50, 1) == pytest.approx(0.9 * MS)  # the nearest measured: flat profile
+
+
 def test_a_looped_tier_run_synchronously_does_not_price_its_loop():
     """A head's chain tier that runs in the device loop, stepped synchronously (a probe, a catch-up
     after plain steps): at batch 1 on the H100 such a step drafted for ~1 ms on the host, and the

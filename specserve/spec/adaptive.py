@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 
 from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
-from specserve.spec.calibration import GoodputCalibration
+from specserve.spec.calibration import GoodputCalibration, batch_class
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import (
     DECODE,
@@ -644,8 +644,8 @@ class AdaptivePolicy:
         return tier
 
     def _probe_off(self, batch: int) -> Tier | None:
-        """While speculating: plain steps every `probe_every` engine steps until a plain step at this
-        batch has been measured (steps, not verifies: where a device loop runs, a plain step ends its
+        """While speculating: plain steps every `probe_every` engine steps until a plain step at a
+        batch of this one's class has been measured (`_plain_priced_near`; steps, not verifies: where a device loop runs, a plain step ends its
         run and, with a head drafter, costs synchronous catch-up steps after it; on the H100 at batch
         64, plain steps every 32 verifies, 4 loop steps, took 11 ms each and made adaptive 0.76x the
         best static chain). Until then its price is derived (the start-up profile of a one-token
@@ -656,7 +656,7 @@ class AdaptivePolicy:
         takes a few. No verdict: a measurement."""
         off = next((t for t in self.tiers if t.off), None)
         kind = DECODE if self.overlapped_off else VERIFY
-        if off is None or not batch or self.costs.measured_live(kind, batch, 1):
+        if off is None or not batch or self._plain_priced_near(kind, batch):
             self._since_probe = self._off_left = 0
             return None
         if self._off_left:
@@ -668,6 +668,16 @@ class AdaptivePolicy:
         self._since_probe, self._off_left = 0, OFF_PROBE_STEPS - 1
         self._probing = self._probe_left = None
         return off
+
+    def _plain_priced_near(self, kind: str, batch: int) -> bool:
+        """Whether steady plain steps priced a batch of `batch`'s class (`batch_class`: 33-64 is one):
+        the cost tables carry that price to the class's other batches with the profile's shape
+        (`StepCosts.estimate`). Asked of the exact batch, a batch thinning in its tail (63, 62, ...,
+        each a few steps, seldom two plain steps at one size) called for a row of plain steps every
+        `probe_every` engine steps to its end, each row breaking the loop twice: the likeliest source
+        of the H200's 20 plain steps in ~170 of the MT-Bench batch-64 row, 2 of them at 64."""
+        cls = batch_class(batch)
+        return any(batch_class(b) == cls for b in self.costs.live_batches(kind, 1))
 
     def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1) -> bool:
         """Switch to `best` once it has won by `hysteresis` over `patience` verifies: the decision

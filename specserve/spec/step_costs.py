@@ -190,6 +190,10 @@ class StepCosts:
         seen in transitions)."""
         return (kind, width, batch) in self._live
 
+    def live_batches(self, kind: str, width: int) -> set[int]:
+        """The batches at which this width has a steady measurement from serving."""
+        return {b for k, w, b in self._live if k == kind and w == width}
+
     def measures(self, kind: str) -> bool:
         """Whether any shape of `kind` has a cost (profiled or measured)."""
         return any(k == kind and row for (k, _), row in self._table.items())
