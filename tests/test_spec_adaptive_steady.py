@@ -155,13 +155,8 @@ def test_transitions_fill_in_only_a_shape_nothing_else_prices():
     assert costs.estimate(VERIFY, 8, 9) == pytest.approx(2.0 * MS)
 
 
-def test_plain_steps_run_in_a_row_while_speculating_until_one_is_priced():
-    """An overlapped plain step's wall is the wait for the step before, so a lone plain step among
-    speculative ones (a transition) never measures one: `_probe_off` runs `OFF_PROBE_STEPS` in a
-    row, every `probe_every` steps, until a plain step at the batch has a price."""
-    costs = StepCosts()
-    costs.profile(VERIFY, [(1, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.1 * MS)
-    costs.profile(DRAFT, [(1, 1)], lambda b, w: 0.02 * MS)
+def _eight_chain_policy(costs: StepCosts) -> AdaptivePolicy:
+    """An n-gram policy over overlapped plain steps, its 8-chain standing on long matches."""
     policy = AdaptivePolicy(
         default_tiers(8),
         costs,
@@ -170,8 +165,19 @@ def test_plain_steps_run_in_a_row_while_speculating_until_one_is_priced():
         overlapped_off=True,
         probe_every=8,
     )
-    for _ in range(20):  # long matches: the 8-chain stands
+    for _ in range(20):
         policy.acceptance.observe("a", 1, 8, 8)
+    return policy
+
+
+def test_plain_steps_run_in_a_row_while_speculating_until_one_is_priced():
+    """An overlapped plain step's wall is the wait for the step before, so a lone plain step among
+    speculative ones (a transition) never measures one: `_probe_off` runs `OFF_PROBE_STEPS` in a
+    row, every `probe_every` steps, until a plain step at the batch has a price."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(1, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.1 * MS)
+    costs.profile(DRAFT, [(1, 1)], lambda b, w: 0.02 * MS)
+    policy = _eight_chain_policy(costs)
     tiers = [policy.decide(["a"]).tier for _ in range(24)]
     assert tiers[0] == CHAIN8
     runs = "".join("o" if t.off else "s" for t in tiers).split("s")
@@ -187,16 +193,7 @@ def test_plain_steps_priced_at_a_batch_of_the_class_stop_the_rows_of_plain_steps
     costs = StepCosts()
     costs.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.1 * MS)
     costs.profile(DRAFT, [(b, 1) for b in (16, 64)], lambda b, w: 0.02 * MS)
-    policy = AdaptivePolicy(
-        default_tiers(8),
-        costs,
-        AcceptanceTracker(8),
-        draft_per_step=False,
-        overlapped_off=True,
-        probe_every=8,
-    )
-    for _ in range(20):  # long matches: the 8-chain stands
-        policy.acceptance.observe("a", 1, 8, 8)
+    policy = _eight_chain_policy(costs)
     for _ in range(MIN_SAMPLES):
         costs.observe(DECODE, 60, 1, 0.9 * MS)
 
