@@ -598,7 +598,9 @@ def test_drain_depths_keep_each_request_within_the_slowest_ones_steps():
     assert prefix["good0"][steps[0]] >= 100 / horizon > prefix["good0"][steps[0] - 1]
 
 
-def test_a_probe_judged_by_the_drain_loses_when_the_slowest_request_made_one_token():
+def _drain_probe(left: list[int], emitted: dict[str, int]) -> bool:
+    """Whether a probe over requests a-d with `left` tokens to go, which emitted `emitted` in 1.1
+    ms (a plain step: 1.0), won on the drain."""
     c = StepCosts()
     c.profile(VERIFY, [(4, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.0 * MS)
     c.profile(DRAFT, [(4, 1)], lambda b, w: 0.1 * MS)
@@ -609,10 +611,27 @@ def test_a_probe_judged_by_the_drain_loses_when_the_slowest_request_made_one_tok
             policy.acceptance.observe(r, 1, 8, 0)
     tiers = []
     while len(tiers) < 2 or tiers[-1] == OFF:
-        tiers.append(policy.decide(ids, [100] * 4).tier)
+        tiers.append(policy.decide(ids, left).tier)
     assert tiers[-1] != OFF  # a probe
-    policy.observe_probe(4 * 9 - 8, 1.1 * MS, {"a": 9, "b": 9, "c": 9, "d": 1})  # 28 tokens: d made 1
-    assert policy.probes == 1 and policy.probes_won == 0
+    policy.observe_probe(sum(emitted.values()), 1.1 * MS, emitted)
+    assert policy.probes == 1
+    return policy.probes_won == 1
+
+
+def test_a_probe_judged_by_the_drain_loses_when_the_slowest_request_made_one_token():
+    """d, 30 tokens behind the rest, made one token: the batch's end did not move."""
+    assert not _drain_probe([100, 100, 100, 130], {"a": 9, "b": 9, "c": 9, "d": 1})
+    assert _drain_probe([100, 100, 100, 130], {"a": 1, "b": 1, "c": 1, "d": 3})
+
+
+def test_a_probe_over_requests_tied_for_last_is_judged_by_their_mean():
+    """At a batch's start every request is tied at its max_new_tokens: any could end last, and
+    their mean tokens say what the probe did for the end (7 a request here, against the 1.1 a plain
+    step would have made in its time); by the least of them (d's 1) a probe there almost never won.
+    Requests a step could leave last count as tied (within the tier's query length of the most)."""
+    assert _drain_probe([100] * 4, {"a": 9, "b": 9, "c": 9, "d": 1})
+    assert not _drain_probe([100] * 4, {"a": 1, "b": 1, "c": 1, "d": 1})
+    assert _drain_probe([100, 100, 100, 108], {"a": 9, "b": 9, "c": 9, "d": 1})
 
 
 def test_depth_functions_on_hand_made_prefixes():
