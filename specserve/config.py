@@ -95,7 +95,8 @@ class AdaptiveConfig:
     tables (`AdaptiveSettings` in `specserve/serve/config.py` describes each); `shadow_lookups`: n-gram
     lookups a step scored while off (`specserve/spec/shadow.py`; 0: none, probes alone);
     `calibration_fade`: how fast each tier's correction by its measured steps forgets, per step of
-    the tier (`specserve/spec/calibration.py`; None: predictions uncorrected)."""
+    the tier (`specserve/spec/calibration.py`; None: predictions uncorrected); `drain_strength`: the
+    pool's weight in a request's rates where the drain forecasts its end (None: `prior_strength`)."""
 
     tiers: tuple[tuple[int, int, int], ...] | None = None
     hysteresis: float = 0.05
@@ -110,6 +111,7 @@ class AdaptiveConfig:
     profile: bool = True
     shadow_lookups: int = 2
     calibration_fade: float | None = 0.8
+    drain_strength: float | None = None
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
@@ -131,6 +133,11 @@ class AdaptiveConfig:
             _require(0 < getattr(self, field_name) <= 1, f"{name}.{field_name}", "must be in (0, 1]")
         _require(0 < self.prior < 1, f"{name}.prior", "must be in (0, 1)")
         _require(self.prior_strength > 0, f"{name}.prior_strength", "must be > 0")
+        _require(
+            self.drain_strength is None or (_is_number(self.drain_strength) and self.drain_strength > 0),
+            f"{name}.drain_strength",
+            "must be a number > 0 or null",
+        )
         _require(0 <= self.cost_alpha <= 1, f"{name}.cost_alpha", "must be in [0, 1] (0: keep the profile)")
         _require(isinstance(self.profile, bool), f"{name}.profile", "must be true or false")
         _require(

@@ -688,3 +688,37 @@ def test_a_probe_of_a_tier_its_steady_steps_priced_is_judged_at_that_price(loop_
     assert any(d.tier == Tier.chain(1) for d in decisions)  # a probe
     policy.observe_probe(128, 10 * MS)  # every draft accepted, in a synchronous step of 10 ms
     assert (policy.probes, policy.probes_won) == (1, 1 if loop_priced else 0)
+
+
+def test_the_drain_forecasts_a_request_s_end_with_the_pool_weighed_as_drain_strength_says():
+    """16 requests tied at 200 tokens to go, the pool's first position at ~0.35, one request's last 10
+    drafts rejected. Its own evidence (10 verifies against the prior's 2) says ~1.08 tokens a
+    1-chain step, which at 1.06 ms against a plain step's 0.92 ends the batch later than decoding:
+    off. That evidence is its last ~10 verifies; its end lies ~200 ahead, over which its text turns
+    as the pool's does: weighed as 20 observations there, the pool makes it ~1.26 and the 1-chain
+    ends the batch first. A step's goodput is read as before."""
+    c = StepCosts()
+    c.profile(VERIFY, [(16, 1), (16, 2)], lambda b, q: {1: 0.92, 2: 1.06}[q] * MS)
+    c.profile(DRAFT, [(16, 1)], lambda b, w: 1e-6)
+    ids = [f"r{i}" for i in range(15)] + ["slow"]
+
+    def scores(drain_strength: float | None) -> tuple[dict[Tier, float], dict[Tier, float]]:
+        acceptance = AcceptanceTracker(1, pooled_alpha=0.001)
+        for i in range(300):
+            acceptance.observe(ids[i % 15], 1, drafted=1, accepted=int(i % 20 < 7), batch=16)
+        for _ in range(10):
+            acceptance.observe("slow", 1, drafted=1, accepted=0, batch=16)
+        policy = AdaptivePolicy(
+            [OFF, Tier.chain(1)],
+            c,
+            acceptance,
+            shapes=VerifyShapes((1, 2), 16),
+            drain_strength=drain_strength,
+        )
+        scored = policy._score(tuple(ids), [200] * 16)
+        return scored.score, scored.goodput
+
+    (score, goodput), (forecast, same) = scores(None), scores(20.0)
+    assert score[OFF] > score[Tier.chain(1)]
+    assert forecast[Tier.chain(1)] > forecast[OFF]
+    assert same == goodput

@@ -526,6 +526,8 @@ def test_adaptive_settings_from_every_edge(target):
         ({"cost_alpha": "fast"}, "cost_alpha"),
         ({"calibration_fade": 1.0}, "calibration_fade"),
         ({"calibration_fade": "slow"}, "calibration_fade"),
+        ({"drain_strength": 0}, "drain_strength"),
+        ({"drain_strength": "strong"}, "drain_strength"),
         ({"tiers": []}, "tiers"),
         ({"tiers": ["9"]}, "tiers"),  # past the configured num_steps
         ({"tiers": ["2x2x2"]}, "tiers"),  # a tree while topk is 1

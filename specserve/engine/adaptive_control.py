@@ -106,6 +106,7 @@ class AdaptiveSpeculation:
             min_reach=config.min_reach,
             probe_every=config.probe_every,
             draft_per_step=spec.method != "ngram",
+            drain_strength=config.drain_strength,
             calibration=None
             if config.calibration_fade is None
             else GoodputCalibration(config.calibration_fade),

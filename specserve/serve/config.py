@@ -186,6 +186,13 @@ class AdaptiveSettings(BaseModel):
         "measured against it (tokens emitted over tokens predicted, per tier and batch size class); "
         "this is how much of that evidence a further step of the tier keeps (null: no correction).",
     )
+    drain_strength: float | None = Field(
+        _adaptive_default("drain_strength"),
+        gt=0,
+        description="With no request waiting, tiers are judged by when the batch's last request ends; "
+        "this is how many observations the pooled rates are worth against a request's own in that "
+        "forecast, which looks a whole answer ahead (null: prior_strength, as for a step's goodput).",
+    )
 
 
 def _check_speculative_adaptive(value: dict[str, Any] | str | None) -> None:

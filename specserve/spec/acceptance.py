@@ -148,13 +148,15 @@ class AcceptanceTracker:
         topk: int,
         explore: tuple[int, int] | None = None,
         z: float = 1.0,
+        strength: float | None = None,
     ) -> dict[str, list[float]]:
         """`rates` of several requests, the pool's rates computed once. `explore`: (start, stop), the
         0-based positions that start from the pool's upper bound (`pooled_upper`, `z`) instead of its
         mean: positions the standing draft length never tests, whose evidence only fades (module
-        docstring)."""
+        docstring). `strength`: the pool's weight against a request's own evidence (default: the
+        tracker's)."""
         pooled = self.pooled(topk) if explore is None else self.pooled_upper(topk, z, explore)
-        strength = self.strength
+        strength = self.strength if strength is None else strength
         prior = [strength * p for p in pooled]
         requests = self._requests
         out = {}

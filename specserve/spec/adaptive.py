@@ -171,6 +171,7 @@ class AdaptivePolicy:
         probe_share: float = 0.03,
         shapes: VerifyShapes | None = None,
         calibration: GoodputCalibration | None = None,
+        drain_strength: float | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("tiers: at least one")
@@ -184,6 +185,10 @@ class AdaptivePolicy:
         self.shadow_rescore_every = shadow_rescore_every
         self.shapes = shapes  # None: every verify padded to its widest row (graphs at every shape)
         self.calibration = calibration  # None: predictions taken as they are
+        # the pool's weight in each request's rates where the drain forecasts the batch's end (None:
+        # the tracker's, as for a step): a request's own evidence is its last ~10 verifies, and the
+        # end lies a whole answer ahead, over which its text turns as the pool's does
+        self.drain_strength = drain_strength
         # (scores, the calibration's version) -> the corrected scores: the off path reuses one scoring
         # for many steps, and correcting it anew each step was host work on every plain step
         self._corrected: tuple[_Scores, int, dict[Tier, float]] | None = None
@@ -464,9 +469,13 @@ class AdaptivePolicy:
         batch = len(ids)
         left = None if remaining is None else [max(r, 1) for r in remaining]
         prefixes: dict[int, list[tuple[list[float], int]]] = {}
+        ahead: dict[int, list[list[float]]] = {}  # the drain's forecast per topk, when it has its own
         for topk in {t.topk for t in self.tiers if not t.off}:
             rows = []
             explore = self._explore_span(topk)
+            if left is not None and self.drain_strength is not None:
+                forecast = self.acceptance.rates_of(ids, topk, explore, self.probe_z, self.drain_strength)
+                ahead[topk] = [expected_prefix(rates) for rates in forecast.values()]
             for rates in self.acceptance.rates_of(ids, topk, explore, self.probe_z).values():
                 # A model drafter's request drafts only the positions it reaches with odds of at
                 # least min_reach; an n-gram lookup costs the same however deep (cut like that, a
@@ -494,8 +503,13 @@ class AdaptivePolicy:
                 tokens = [prefix[d] for (prefix, _), d in zip(rows, chosen, strict=True)]
                 seconds = self._seconds(tier, batch, chosen)
             goodput[tier] = sum(tokens) / seconds
-            # drain: the batch's tokens over the time until its last request finishes
-            score[tier] = goodput[tier] if left is None else sum(left) / (seconds * drain_steps(tokens, left))
+            if left is None:
+                score[tier] = goodput[tier]
+            else:  # drain: the batch's tokens over the time until its last request finishes
+                forecast = ahead.get(tier.topk)
+                if forecast is not None:
+                    tokens = [prefix[d] for prefix, d in zip(forecast, chosen, strict=True)]
+                score[tier] = sum(left) / (seconds * drain_steps(tokens, left))
             if not tier.off and not any(chosen):
                 score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
             depths[tier] = chosen
