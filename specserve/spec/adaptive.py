@@ -665,10 +665,10 @@ class AdaptivePolicy:
 
     def _probe_off(self, batch: int) -> Tier | None:
         """While speculating: plain steps every `probe_every` engine steps until a plain step at a
-        batch of this one's class has been measured (`_plain_priced_near`; steps, not verifies: where a device loop runs, a plain step ends its
-        run and, with a head drafter, costs synchronous catch-up steps after it; on the H100 at batch
-        64, plain steps every 32 verifies, 4 loop steps, took 11 ms each and made adaptive 0.76x the
-        best static chain). Until then its price is derived (the start-up profile of a one-token
+        batch of this one's class has been measured (`_plain_priced_near`; steps, not verifies:
+        where a device loop runs, a plain step ends its run and, with a head drafter, costs
+        synchronous catch-up steps after it; on the H100 at batch 64, plain steps every 32 verifies,
+        4 loop steps, took 11 ms each and made adaptive 0.76x the best static chain). Until then its price is derived (the start-up profile of a one-token
         pass, which on the H100 once came out 2.5x slow), and a tier the policy believes dear it never
         runs, so the price would stand for good. `OFF_PROBE_STEPS` in a row: an overlapped plain
         step's wall is the wait for the step before, so only from the second of a row on is one
@@ -690,14 +690,14 @@ class AdaptivePolicy:
         return off
 
     def _plain_priced_near(self, kind: str, batch: int) -> bool:
-        """Whether steady plain steps priced a batch of `batch`'s class (`batch_class`: 33-64 is one):
+        """Whether steady plain steps priced a batch of `batch`'s class (`batch_class`: 32-63 is one):
         the cost tables carry that price to the class's other batches with the profile's shape
         (`StepCosts.estimate`). Asked of the exact batch, a batch thinning in its tail (63, 62, ...,
         each a few steps, seldom two plain steps at one size) called for a row of plain steps every
         `probe_every` engine steps to its end, each row breaking the loop twice: the likeliest source
         of the H200's 20 plain steps in ~170 of the MT-Bench batch-64 row, 2 of them at 64."""
-        cls = batch_class(batch)
-        return any(batch_class(b) == cls for b in self.costs.live_batches(kind, 1))
+        lo = 1 << (batch_class(batch) - 1)  # the class's batches: lo .. 2 lo - 1
+        return any(lo <= b < 2 * lo for b in self.costs.live_batches(kind, 1))
 
     def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1) -> bool:
         """Switch to `best` once it has won by `hysteresis` over `patience` verifies: the decision

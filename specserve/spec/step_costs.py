@@ -104,6 +104,7 @@ class StepCosts:
         self._table: dict[tuple[str, int], dict[int, float]] = {}
         self._profiled: dict[tuple[str, int], dict[int, float]] = {}
         self._live: set[tuple[str, int, int]] = set()  # (kind, width, batch) measured steady while serving
+        self._live_batches: dict[tuple[str, int], set[int]] = {}  # (kind, width) -> those batches
         # (seconds, value) of the last steady measurements, newest last: the value is the seconds, or
         # for a residual the seconds beyond the profile (an outlier is told by its seconds)
         self._samples: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
@@ -154,6 +155,7 @@ class StepCosts:
             self._loose.pop(key, None)
             row[batch] = robust_mean(samples)
             self._live.add(key)
+            self._live_batches.setdefault((kind, width), set()).add(batch)
         profiled = self._profiled.get((kind, width))
         if not profiled:
             return
@@ -182,6 +184,7 @@ class StepCosts:
                 self._table.setdefault((kind, width), {})[batch] = seconds
                 self._profiled.setdefault((kind, width), {})[batch] = seconds
                 self._live.discard((kind, width, batch))
+                self._live_batches.get((kind, width), set()).discard(batch)
                 self._samples.pop((kind, width, batch), None)
                 self._loose.pop((kind, width, batch), None)
 
@@ -192,7 +195,7 @@ class StepCosts:
 
     def live_batches(self, kind: str, width: int) -> set[int]:
         """The batches at which this width has a steady measurement from serving."""
-        return {b for k, w, b in self._live if k == kind and w == width}
+        return self._live_batches.get((kind, width), set())
 
     def measures(self, kind: str) -> bool:
         """Whether any shape of `kind` has a cost (profiled or measured)."""
