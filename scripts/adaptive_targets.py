@@ -57,6 +57,17 @@ def _over_the_workload(name: str, adaptive: dict[int, float], static: dict[str, 
     )
 
 
+def _plain_spread(report: dict) -> str:
+    """How far plain decoding's repeats lie apart at each batch size (`repeat_seconds`): a ratio past
+    a few percent says a slow spell of the machine caught one repeat (the rows keep the faster)."""
+    cells = []
+    for row in report["rows"]:
+        times = row.get("repeat_seconds") or []
+        if row["system"] == PLAIN and len(times) > 1:
+            cells.append(f"b{row['batch_size']} {max(times) / min(times):.3f}")
+    return " ".join(cells)
+
+
 def main(paths: list[str]) -> int:
     ok = True
     for path in paths:
@@ -65,6 +76,9 @@ def main(paths: list[str]) -> int:
         ok &= passed
         print(f"{path} ({report.get('dataset')}, {report.get('gpu') or report.get('device')}):")
         print("\n".join(f"  {line}" for line in lines) or "  no adaptive system in this report")
+        spread = _plain_spread(report)
+        if spread:
+            print(f"  plain decoding's repeats, slowest over fastest, by batch: {spread}")
     return 0 if ok else 1
 
 

@@ -59,6 +59,9 @@ class BenchRow:
     # pooled per-position acceptance (and its evidence), probes, predicted vs measured goodput
     adaptive: dict | None = None
     batches: int = 1  # batches of `batch_size` distinct prompts run back to back (`--min-prompts`)
+    # every repeat's seconds in the order run (`--repeats`; rounds over the systems): their spread
+    # shows a slow spell of the machine that one repeat caught
+    repeat_seconds: list[float] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         for name, timed in runs.items():
             # The lower median: of two runs the faster, as a late kernel compile lands in one run only.
             run = sorted(timed, key=lambda run: run[0])[(len(timed) - 1) // 2]
-            rows.append(_row(name, b, args.max_new_tokens, *run, batches=len(batches)))
+            repeats = [round(t[0], 6) for t in timed]
+            rows.append(_row(name, b, args.max_new_tokens, *run, batches=len(batches), repeats=repeats))
         if hf is not None:
             rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
             if b == 1:
@@ -301,10 +305,11 @@ def _row(
     tiers: dict[str, int] | None = None,
     adaptive: dict | None = None,
     batches: int = 1,
+    repeats: list[float] | None = None,
 ) -> BenchRow:
     tokens_per_s = batches * batch * new_tokens / seconds
     return BenchRow(
-        system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers, adaptive, batches
+        system, batch, new_tokens, seconds, tokens_per_s, accept, step_ms, tiers, adaptive, batches, repeats
     )
 
 

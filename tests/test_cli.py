@@ -207,6 +207,7 @@ def test_bench_repeats_in_rounds_over_the_systems(tiny_folder, tmp_path, monkeyp
     assert len(timed_runs) == 4 and timed_runs[:2] == timed_runs[2:] and timed_runs[0] != timed_runs[1]
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["specserve"]["seconds"] == 96.0 and rows["specserve-ngram-3"]["seconds"] == 95.0
+    assert rows["specserve"]["repeat_seconds"] == [98.0, 96.0]  # every repeat, in the order run
 
 
 def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys):
