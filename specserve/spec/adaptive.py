@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,15 +88,7 @@ from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
 from specserve.spec.calibration import GoodputCalibration, batch_class
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
-from specserve.spec.step_costs import (
-    DECODE,
-    DRAFT,
-    MIN_SAMPLES,
-    VERIFY,
-    StepCosts,
-    clamped,
-    robust_mean,
-)
+from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, VERIFY, StepCosts
 
 
 @dataclass(frozen=True, order=True)
@@ -204,9 +196,6 @@ class AdaptivePolicy:
         self.current: Tier | None = None
         self.switches = 0
         self.switches_at: Counter[int] = Counter()  # batch -> switches decided there
-        # batch -> the last host settles a switch exposes (seconds), and their robust means
-        self._settles: dict[int, deque[tuple[float, float]]] = {}
-        self._switch_cost: dict[int, float] = {}
         self.measured_goodput = 0.0
         self.probe_interval = probe_every  # steps off between probes: grows while probes lose
         self.probes = self.probes_won = 0
@@ -293,17 +282,12 @@ class AdaptivePolicy:
     def observe_switch_cost(self, batch: int, seconds: float) -> None:
         """A switch at `batch` would cost `seconds` of its own: the host's settle of a device-loop
         run, hidden behind the next run while the tier stands, exposed when it changes."""
-        if batch < 1 or not seconds > 0:
-            return
-        kept = self._settles.setdefault(batch, deque(maxlen=self.rescore_every))
-        kept.append((seconds, seconds))
-        if len(kept) >= MIN_SAMPLES:
-            self._switch_cost[batch] = robust_mean(kept)
+        self.costs.observe(SETTLE, batch, 1, seconds)
 
     def switch_seconds(self, batch: int) -> float:
-        """What a switch costs at `batch`: linear between the batches that measured one, outside
-        them the nearest one's; 0 where none did (a synchronous engine: the next step is as dear)."""
-        return clamped(self._switch_cost, batch) if self._switch_cost else 0.0
+        """What a switch costs at `batch` (the cost tables' `SETTLE`); 0 where none was measured (a
+        synchronous engine: the step after a switch is as dear as any)."""
+        return self.costs.estimate(SETTLE, batch, 1) if self.costs.measures(SETTLE) else 0.0
 
     def observe_outcome(self, tier: Tier, batch: int, tokens: int, seconds: float, predicted: float) -> None:
         """A steady step (or device-loop run) of `tier` over `batch` requests emitted `tokens` in
@@ -668,9 +652,10 @@ class AdaptivePolicy:
         batch of this one's class has been measured (`_plain_priced_near`; steps, not verifies:
         where a device loop runs, a plain step ends its run and, with a head drafter, costs
         synchronous catch-up steps after it; on the H100 at batch 64, plain steps every 32 verifies,
-        4 loop steps, took 11 ms each and made adaptive 0.76x the best static chain). Until then its price is derived (the start-up profile of a one-token
-        pass, which on the H100 once came out 2.5x slow), and a tier the policy believes dear it never
-        runs, so the price would stand for good. `OFF_PROBE_STEPS` in a row: an overlapped plain
+        4 loop steps, took 11 ms each and made adaptive 0.76x the best static chain). Until then its
+        price is derived (the start-up profile of a one-token pass, which on the H100 once came out
+        2.5x slow), and a tier the policy believes dear it never runs, so the price would stand for
+        good. `OFF_PROBE_STEPS` in a row: an overlapped plain
         step's wall is the wait for the step before, so only from the second of a row on is one
         steady, a plain step's measured cost (`specserve/engine/adaptive_control.py`), and a price
         takes a few. No verdict: a measurement."""

@@ -1,11 +1,12 @@
 """What a step costs, by shape: measured at start-up where the shapes are known, refined while serving.
 
-Three kinds of cost feed the adaptive policy: a target pass over `batch` requests of `query_len`
+Three kinds of step cost feed the adaptive policy: a target pass over `batch` requests of `query_len`
 tokens each in a synchronous step (a verify of query_len - 1 drafts; a decode when query_len is 1),
 one draft step over `batch` requests at `topk` branches (a model drafter's forward; n-gram lookup's
 host time), and a plain decode step as the engine runs it with speculation off, overlapped with the
 host work of the step before (`DECODE`, measured only: its host work hides behind the device's, so
-it costs less than a synchronous pass of one token). Each is a table of seconds keyed by (batch,
+it costs less than a synchronous pass of one token); and beside them what a switch of tier costs
+(`SETTLE`, measured only). Each is a table of seconds keyed by (batch,
 width), filled by start-up profiling of the CUDA-graph buckets and kept current by what steady
 live steps measured (a robust mean of the last few, below). Shapes never measured are interpolated
 linearly in batch between the nearest measured ones of the same width (past the largest, scaled in
@@ -78,6 +79,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
+# The host's settle of a device-loop run (width 1), hidden behind the next run while the tier stands
+# and exposed by a switch: measured only, priced linearly in batch, past the measured ones along their
+# slope (host work per request), never from a default (`AdaptivePolicy.switch_seconds`).
+SETTLE = "settle"
 # Steady measurements a shape's live price (and a batch's residual) waits for: with three, one
 # outlier is told by their median. One is not enough: the bench's warm-up verifies at batch 2 a few
 # steps only, and a one-off cost in one of them, taken as that batch's residual, priced every tier
@@ -236,7 +241,7 @@ class StepCosts:
         between the batches that measured it, past them the nearest one's), and between widths
         linear; past the widest along their slope (never falling: one width alone, its gap), below
         the narrowest in proportion to the width (the module docstring)."""
-        at = {w: clamped(row, batch) for (k, w), row in self._loop_gap.items() if k == kind and row}
+        at = {w: _clamped(row, batch) for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not at:
             return 0.0
         narrowest = min(at)
@@ -292,7 +297,7 @@ def _slope(row: dict[int, float], sizes: list[int]) -> float:
     return max(sum((b - mean_b) * (row[b] - mean_v) for b in sizes) / spread, 0.0)
 
 
-def clamped(row: dict[int, float], batch: int) -> float:
+def _clamped(row: dict[int, float], batch: int) -> float:
     """Linear between measured batches; outside them the nearest one's value."""
     sizes = sorted(row)
     return _interpolate(row, min(max(batch, sizes[0]), sizes[-1]))
