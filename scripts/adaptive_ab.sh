@@ -38,9 +38,11 @@ done
 for dataset in ${DATASETS:-mt-bench mixed}; do
   python3 - "$OUT/a-$dataset.json" "$OUT/b-$dataset.json" "$OUT/b+static-$dataset.json" <<'PY'
 import json, sys
+sys.path.insert(0, "scripts")
+from adaptive_targets import is_adaptive
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
-adaptive = [r for r in b["rows"] if r["system"].endswith("-adaptive")]
-a["rows"] = [r for r in a["rows"] if not r["system"].endswith("-adaptive")] + adaptive
+adaptive = [r for r in b["rows"] if is_adaptive(r["system"])]
+a["rows"] = [r for r in a["rows"] if not is_adaptive(r["system"])] + adaptive
 json.dump(a, open(sys.argv[3], "w"))
 PY
 done

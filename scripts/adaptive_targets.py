@@ -17,11 +17,16 @@ from pathlib import Path
 PLAIN = "specserve"
 
 
+def is_adaptive(system: str) -> bool:
+    """A bench system of adaptive speculation (`-adaptive`, or `-adaptive-SETTINGS` for a variant)."""
+    return system.endswith("-adaptive") or "-adaptive-" in system
+
+
 def check(report: dict) -> tuple[list[str], bool]:
     rows: dict[str, dict[int, float]] = {}
     for row in report["rows"]:
         rows.setdefault(row["system"], {})[row["batch_size"]] = row["tokens_per_s"]
-    adaptive = [s for s in rows if s.endswith("-adaptive") or "-adaptive-" in s]  # variants named by settings
+    adaptive = [s for s in rows if is_adaptive(s)]
     static = [s for s in rows if s.startswith(PLAIN) and s not in adaptive]  # plain included
     mixed = "mixed" in str(report.get("dataset", ""))
     lines, ok = [], True
