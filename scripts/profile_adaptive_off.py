@@ -48,6 +48,7 @@ def run(batch: int, steps: int, seed: int = 0) -> float:
             num_output=0,
             token_ids=[rng.randrange(10**6) for _ in range(300)],
             num_pending=0,
+            prompt_len=300,
             token_mirror=ListMirror(),
         )
         for i in range(batch)

@@ -60,6 +60,56 @@ def test_a_runs_verifies_observed_at_once_count_as_one_at_a_time():
         many.observe_many("r0", 1, [(2, 1), (2, 3)])
 
 
+@pytest.mark.parametrize("request_alpha", [0.1, 0.9])  # 0.9: the running factor renormalises too
+def test_a_device_loop_run_is_observed_request_by_request_and_step_by_step_for_the_pool(request_alpha):
+    """`observe_run` (a loop run's verifies of every request at once): each request's own rates as
+    `observe_many` makes them; the pool's counts fade by `pooled_alpha` once per step of the run and
+    count that step's verifies alike (a step where fewer verified fades it less), as the plain
+    statement below does; bad counts are refused."""
+    rng = random.Random(7)
+    run_all, by_request = AcceptanceTracker(8, request_alpha), AcceptanceTracker(8, request_alpha)
+    tested, accepted = [0.0] * 8, [0.0] * 8
+    for _ in range(60):
+        runs = []
+        for r in range(6):
+            steps = rng.randint(0, 8)  # a request that finished early made fewer verifies
+            runs.append((f"r{r}", [(d, rng.randint(0, d)) for d in (rng.randint(1, 8) for _i in range(steps))]))
+        run_all.observe_run(1, runs, 6)
+        for rid, verifies in runs:
+            by_request.observe_many(rid, 1, verifies, 6)
+        for step in range(max(len(v) for _, v in runs)):
+            made = [v[step] for _, v in runs if len(v) > step]
+            if not made:
+                continue
+            keep = (1.0 - run_all.pooled_alpha) ** (len(made) / 6)  # a whole step of 6: pooled_alpha
+            tested[:] = [t * keep for t in tested]
+            accepted[:] = [a * keep for a in accepted]
+            for drafted, kept in made:
+                for i in range(min(drafted, kept + 1)):
+                    tested[i] += 1.0
+                    accepted[i] += 1.0 if i < kept else 0.0
+    ids = [f"r{r}" for r in range(6)]
+    pool, own = run_all._pool(1), by_request._pool(1)
+    assert pool.tested == pytest.approx(tested, rel=1e-9) and pool.accepted == pytest.approx(accepted, rel=1e-9)
+    assert pool.tested != pytest.approx(own.tested, rel=1e-6)  # step by step, not request by request
+    for rid in ids:  # a request's own estimates: its verifies in order, as one at a time
+        mine, theirs = run_all._requests[(rid, 1)], by_request._requests[(rid, 1)]
+        assert mine.accepted == pytest.approx(theirs.accepted, rel=1e-12, abs=1e-300)
+        assert mine.tested == pytest.approx(theirs.tested, rel=1e-12, abs=1e-300)
+    assert run_all.rates_of(ids, 1) != by_request.rates_of(ids, 1)  # the pools differ, the requests' own not
+    assert run_all.version == by_request.version
+    # accepted counts up to drafted; a verify that drafted nothing is left out; negatives refused
+    version = run_all.version
+    assert run_all.observe_run(1, [("r0", [(2, 3), (0, 0)]), ("r1", [(0, 0)])], 1) == [1, 0]
+    assert run_all.version == version + 1
+    over, full = AcceptanceTracker(8, request_alpha), AcceptanceTracker(8, request_alpha)
+    over.observe_run(1, [("r0", [(2, 3)])], 1)
+    full.observe_run(1, [("r0", [(2, 2)])], 1)
+    assert over.rates("r0", 1) == full.rates("r0", 1) and over.pooled(1) == full.pooled(1)
+    with pytest.raises(ValueError, match="never negative"):
+        run_all.observe_run(1, [("r0", [(2, -1)])], 1)
+
+
 def test_evidence_a_draft_length_no_longer_reaches_fades_back_to_the_prior():
     t = AcceptanceTracker(4, prior=0.8)
     t.observe("a", 1, drafted=4, accepted=2)  # one rejection at position 3

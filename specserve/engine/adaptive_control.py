@@ -260,6 +260,21 @@ class AdaptiveSpeculation:
             self.acceptance.observe_many(req.request_id, 1, kept, batch)
             self._verified[req.request_id] += len(kept)
 
+    def observe_run_chains(
+        self, runs: Sequence[tuple[Request, Sequence[tuple[int, int]]]], batch: int
+    ) -> None:
+        """`observe_chains` of a device-loop run's requests in one call: their (depth, accepted)
+        verifies, the run's steps in order (`AcceptanceTracker.observe_run`)."""
+        if self._on_verifies(batch):
+            for req, verifies in runs:
+                kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]
+                if kept:
+                    self._chain_outcomes(req.request_id, kept)
+        observed = self.acceptance.observe_run(1, [(req.request_id, v) for req, v in runs], batch)
+        for (req, _), count in zip(runs, observed, strict=True):
+            if count:
+                self._verified[req.request_id] += count
+
     def _on_verifies(self, batch: int, topk: int = 1) -> bool:
         """Whether a tier's correction at `batch` comes from every chain verify (`_chain_outcomes`),
         not from its own steps: a chain's (`topk` 1), up to `COUNTERFACTUAL_BATCH`."""

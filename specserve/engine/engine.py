@@ -637,11 +637,16 @@ class Engine:
         self._stats.lap("target")
         self._loop_settled = flight
         self._loop_rate = _loop_rate(self._loop_rate, result)
+        appended = [
+            (req, *self._loop_append(req, result, index, flight))
+            for index, req in enumerate(flight.reqs)
+            if not req.finished  # aborted meanwhile: its row ran on, for nothing
+        ]
+        if self.adaptive is not None:  # before any finished request's estimates are forgotten
+            runs = [(req, verifies) for req, _, _, verifies in appended]
+            self.adaptive.observe_run_chains(runs, len(flight.reqs))
         outputs = []
-        for index, req in enumerate(flight.reqs):
-            if req.finished:  # aborted meanwhile: its row ran on, for nothing
-                continue
-            reason, delta = self._loop_append(req, result, index, flight)
+        for req, reason, delta, _ in appended:
             if reason is not None:
                 self.kv.commit(req, self._cacheable(req))
                 self._finish(req, reason)  # a run still in flight writes these pages first
@@ -675,7 +680,9 @@ class Engine:
 
     def _loop_append(
         self, req: Request, result: LoopOutput, index: int, flight: LoopFlight
-    ) -> tuple[dict | None, list[int]]:
+    ) -> tuple[dict | None, list[int], list[tuple[int, int]]]:
+        """A request's tokens of a run appended step by step: its finish reason (None: it runs on),
+        the tokens appended, and (depth, accepted) of each verify, for the adaptive policy."""
         delta: list[int] = []
         verifies: list[tuple[int, int]] = []  # (depth, accepted) of each verify, for the adaptive policy
         reason = None
@@ -693,9 +700,7 @@ class Engine:
             delta += added
             if reason is not None:
                 break
-        if self.adaptive is not None and verifies:
-            self.adaptive.observe_chains(req, verifies, len(flight.reqs))
-        return reason, delta
+        return reason, delta, verifies
 
     def _draft_room(self, req: Request) -> int:
         """Drafts a request may take: a step emits up to drafts + 1 tokens, within its limits."""

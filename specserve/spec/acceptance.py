@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 
 class AcceptanceTracker:
     """`request_alpha` / `pooled_alpha`: how fast a request's own evidence fades (per verify of it)
@@ -91,18 +93,73 @@ class AcceptanceTracker:
         self._observe(request_id, topk, verifies, batch)
         self.version += len(verifies)
 
+    def observe_run(
+        self, topk: int, runs: Sequence[tuple[str, Sequence[tuple[int, int]]]], batch: int
+    ) -> list[int]:
+        """A device-loop run's verifies: each request's (drafted, accepted) in order, its j-th verify
+        made in the run's step j alongside the other requests' j-th; accepted counts up to drafted,
+        and a verify that drafted nothing (a request at its end) tested nothing and is left out.
+        A request's own estimates take its verifies as `observe_many` does; the pool takes each
+        step's verifies together, fading by `pooled_alpha` once over the step (as over `batch`
+        verifies) and counting them alike. At batch 64 a run settles 512 verifies an engine step,
+        and observed one by one they were the adaptive engine's largest host cost there; the pool
+        also took them request after request, mixing the run's steps. Returns the verifies
+        observed per request."""
+        made = [len(verifies) for _, verifies in runs]
+        steps = max(made, default=0)
+        if not steps:
+            return made
+        pad = [(0, 0)] * steps
+        outcomes = np.array([list(verifies) + pad[len(verifies) :] for _, verifies in runs], dtype=np.int64)
+        drafted, accepted = outcomes[:, :, 0], outcomes[:, :, 1]
+        if (accepted < 0).any() or (drafted < 0).any():
+            raise ValueError("accepted, drafted: a verify's counts are never negative")
+        tested = np.minimum(np.minimum(drafted, accepted + 1), self.max_positions)
+        present = tested > 0
+        accepted = np.minimum(accepted, tested)
+        positions = np.arange(self.max_positions)
+        tests, accepts = tested[:, :, None] > positions, accepted[:, :, None] > positions
+        owns = [self._own(request_id, topk) for request_id, _ in runs]
+        folded = _fold_own(owns, present, tests, accepts, self.request_alpha)
+        for row, (own, increments) in enumerate(zip(owns, folded, strict=True)):
+            if increments is None:  # its running factor renormalises on the way: one at a time
+                pairs = zip(tested[row].tolist(), accepted[row].tolist(), strict=True)
+                own.add_many([(t, a) for t, a in pairs if t], self.request_alpha)
+            else:
+                own.add_counts(*increments)
+        pool, fade = self._pool(topk), self._pool_fade(batch)
+        per_step = zip(
+            tests.sum(axis=0).tolist(),
+            accepts.sum(axis=0).tolist(),
+            present.sum(axis=0).tolist(),
+            strict=True,
+        )
+        for step_tests, step_accepts, count in per_step:
+            pool.add_together(step_tests, step_accepts, count, fade)
+        observed = present.sum(axis=1).tolist()
+        self.version += sum(observed)
+        return observed
+
     def _observe(self, request_id: str, topk: int, verifies: Sequence[tuple[int, int]], batch: int) -> None:
+        outcomes = self._outcomes(verifies)
+        self._own(request_id, topk).add_many(outcomes, self.request_alpha)
+        self._pool(topk).add_many(outcomes, self._pool_fade(batch))
+
+    def _own(self, request_id: str, topk: int) -> _Counts:
         own = self._requests.get((request_id, topk))
         if own is None:
             own = self._requests[(request_id, topk)] = _Counts(self.max_positions)
-        pool, fade = self._pool(topk), self._pool_fade(batch)
-        alpha, most = self.request_alpha, self.max_positions
+        return own
+
+    def _outcomes(self, verifies: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(positions tested, accepted) of each (drafted, accepted) verify."""
+        most = self.max_positions
+        outcomes = []
         for drafted, accepted in verifies:
             if not 0 <= accepted <= drafted:
                 raise ValueError(f"accepted: {accepted} outside [0, drafted={drafted}]")
-            tested = min(drafted, accepted + 1, most)
-            own.add(tested, accepted, alpha)
-            pool.add(tested, accepted, fade)
+            outcomes.append((min(drafted, accepted + 1, most), accepted))
+        return outcomes
 
     def _pool_fade(self, batch: int) -> float:
         """Per verify of a step of `batch`: the pool fades by `pooled_alpha` over the whole step."""
@@ -173,6 +230,32 @@ class AcceptanceTracker:
             ]
         return out
 
+    def reach_matrix(
+        self,
+        request_ids: Sequence[str],
+        topk: int,
+        explore: tuple[int, int] | None = None,
+        z: float = 1.0,
+        strength: float | None = None,
+    ) -> np.ndarray:
+        """[request, j]: `reach` of each request's `rates_of` (the chance its draft j + 1 and every
+        one before it survive), as one array: the policy scores a batch of 64 every engine step, and
+        the per-request lists of `rates_of` with their prefix sums were most of that host time."""
+        pooled = self.pooled(topk) if explore is None else self.pooled_upper(topk, z, explore)
+        strength = self.strength if strength is None else strength
+        rates = np.tile(np.asarray(pooled), (len(request_ids), 1))
+        requests = self._requests
+        owns = [requests.get((rid, topk)) for rid in request_ids]
+        rows = [i for i, own in enumerate(owns) if own is not None]
+        if rows:
+            kept = [owns[i] for i in rows]
+            scale = np.array([own._scale for own in kept])[:, None]
+            accepted = np.array([own._accepted for own in kept]) * scale
+            tested = np.array([own._tested for own in kept]) * scale
+            prior = strength * np.asarray(pooled)
+            rates[rows] = (accepted + prior) / (tested + strength)
+        return np.cumprod(rates, axis=1)
+
     def forget(self, request_id: str) -> None:
         """A finished request's own estimates (the pooled ones keep what it taught them)."""
         for key in [k for k in self._requests if k[0] == request_id]:
@@ -216,18 +299,50 @@ class _Counts:
         scale = self._scale
         return [t * scale for t in self._tested]
 
-    def add(self, tested: int, accepted: int, alpha: float) -> None:
-        scale = self._scale * (1.0 - alpha)
+    def add_many(self, outcomes: Sequence[tuple[int, int]], alpha: float) -> None:
+        """(tested, accepted) outcomes in order, each fading the counts by `alpha` first: one call
+        for a device-loop run's verifies of a request (8 at a time; a call each was most of the
+        adaptive engine's host work per engine step at batch 64)."""
+        keep = 1.0 - alpha
+        scale = self._scale
+        for tested, accepted in outcomes:
+            before, scale = scale, scale * keep
+            if scale < self._FLOOR:  # renormalise: the counts as they stand before this outcome
+                self._scale = before
+                self._accepted, self._tested, scale = self.accepted, self.tested, keep
+            weight = 1.0 / scale
+            counts = self._tested
+            for i in range(tested):
+                counts[i] += weight
+            counts = self._accepted
+            for i in range(min(accepted, tested)):
+                counts[i] += weight
+        self._scale = scale
+
+    def add_together(
+        self, tested: Sequence[float], accepted: Sequence[float], count: int, alpha: float
+    ) -> None:
+        """`count` outcomes at once, each fading the counts by `alpha`, all weighed as the last:
+        `tested[i]` / `accepted[i]` of them tested / accepted position i."""
+        if not count:
+            return
+        scale = self._scale * (1.0 - alpha) ** count
         if scale < self._FLOOR:
-            self._accepted, self._tested, scale = self.accepted, self.tested, 1.0 - alpha
+            self._accepted, self._tested = self.accepted, self.tested
+            scale = (1.0 - alpha) ** count
         self._scale = scale
         weight = 1.0 / scale
-        counts = self._tested
-        for i in range(tested):
-            counts[i] += weight
-        counts = self._accepted
-        for i in range(min(accepted, tested)):
-            counts[i] += weight
+        for counts, add in ((self._tested, tested), (self._accepted, accepted)):
+            for i, n in enumerate(add):
+                if n:
+                    counts[i] += weight * n
+
+    def add_counts(self, tested: Sequence[float], accepted: Sequence[float], scale: float) -> None:
+        """Increments already weighed against the running factor, which becomes `scale`
+        (`_fold_own`)."""
+        self._tested = [c + n for c, n in zip(self._tested, tested, strict=True)]
+        self._accepted = [c + n for c, n in zip(self._accepted, accepted, strict=True)]
+        self._scale = scale
 
     def rate(self, position: int, prior: float, strength: float) -> float:
         scale = self._scale
@@ -242,6 +357,31 @@ def expected_tokens(rates: Sequence[float], steps: int) -> float:
         survive *= rate
         total += survive
     return total
+
+
+def _fold_own(
+    owns: Sequence[_Counts], present: np.ndarray, tests: np.ndarray, accepts: np.ndarray, alpha: float
+):
+    """Per request, its run's outcomes folded into one increment of its counts, as `_Counts.add_many`
+    adds them one by one: its m-th outcome (1-based) weighs 1 / (s (1 - alpha)^m), s its running
+    factor before them. `present`: [request, step], whether the step made an outcome; `tests` /
+    `accepts`: [request, step, position], whether it tested / accepted the position. Yields
+    (tested, accepted, new factor) per request, or None where the factor would pass
+    `_Counts._FLOOR` (renormalised one outcome at a time instead)."""
+    keep = 1.0 - alpha
+    scales = np.array([own._scale for own in owns])
+    order = np.cumsum(present, axis=1)  # m of each outcome
+    weights = np.where(present, keep ** -order.astype(float) / scales[:, None], 0.0)
+    tested = np.einsum("rs,rsp->rp", weights, tests).tolist()
+    accepted = np.einsum("rs,rsp->rp", weights, accepts).tolist()
+    ends = (scales * keep ** order[:, -1].astype(float)).tolist()
+    for row, end in enumerate(ends):
+        yield None if end < _Counts._FLOOR else (tested[row], accepted[row], end)
+
+
+def prefix_matrix(reach: np.ndarray) -> np.ndarray:
+    """[request, s]: `expected_prefix` of each row's rates, from `reach_matrix`'s rows."""
+    return np.cumsum(np.hstack([np.ones((reach.shape[0], 1)), reach]), axis=1)
 
 
 def expected_prefix(rates: Sequence[float]) -> list[float]:
