@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from head_reference import reference_step_logits
 from specserve import LLM, SamplingParams
 from specserve.cli_spec_args import add_speculative_arguments, parse_spec, spec_name, speculative_from_args
 from specserve.config import AdaptiveConfig, EngineConfig, SpeculativeConfig
+from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.cost_profile import profile_batches
 from specserve.engine.engine import graph_buckets
 from specserve.engine.sampler import SamplingBatch, SamplingRow, filtered_probs
@@ -342,6 +344,43 @@ def test_head_drafts_after_plain_steps_equal_a_from_scratch_computation(target, 
     for verified, drafts in records:
         ref = reference_step_logits(target.model, drafter.head, verified, drafts)
         assert [int(logits.argmax()) for logits in ref] == drafts
+
+
+def test_a_batch_that_starts_while_off_prefills_under_a_speculative_tier(target, plain, heads):
+    """Left off by the batch before (its tail), the policy decides nothing on a step of prefills
+    alone, and that step runs under the last speculative tier it chose: synchronous, the head
+    extending over the prompts' features at once (off, the prefill was a plain step the head
+    skipped and the first speculative step caught it up synchronously). Then as decided, lossless."""
+    llm = _adaptive_llm(target, "eagle", heads["eagle"], page_size=4)
+    engine, control = llm.engine, llm.engine.adaptive
+    prompts = motif_prompts(3, VOCAB, seed=21)
+    llm.generate(prompts[:1], GREEDY)
+    control.tier = control.policy.current = OFF  # as a batch's tail may leave it
+    calls = []
+    for name in ("after_target", "skip_target"):
+        original = getattr(engine.drafter, name)
+        setattr(engine.drafter, name, lambda *a, _n=name, _o=original: calls.append(_n) or _o(*a))
+    launched = []
+    original_launch = engine._launch
+    engine._launch = lambda *args: launched.append(1) or original_launch(*args)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    finished = {o.request_id: o.token_ids for o in engine.step() if o.finished}  # the prefills
+    assert calls == ["after_target"] and not launched
+    assert control.tier.off  # the standing tier is the policy's, untouched
+    while engine.has_unfinished():
+        finished.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    assert [finished[i] for i in ids] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+
+
+def test_a_step_of_prefills_alone_runs_the_last_speculative_tier_decided():
+    spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 4, "adaptive": {"profile": False}})
+    control = AdaptiveSpeculation(spec)
+    assert control.decide([]).num_steps == 4  # none decided yet: the largest tier
+    control.policy.decide = lambda *args, **kwargs: Decision(Tier.chain(2), {"r": 2}, 1.0, False)
+    req = SimpleNamespace(request_id="r", params=SimpleNamespace(max_new_tokens=9), num_output=0, prompt_len=3)
+    assert control.decide([req]).num_steps == 2
+    control.policy.decide = lambda *args, **kwargs: Decision(OFF, {"r": 0}, 1.0, False)
+    assert control.decide([req]).num_steps == 0 and control.decide([]).num_steps == 2
 
 
 def test_sampling_follows_the_target_across_switches(target):

@@ -112,6 +112,7 @@ class AdaptiveSpeculation:
             else GoodputCalibration(config.calibration_fade),
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
+        self._last_speculative: Tier = max(self.tiers)  # the last speculative tier decided (`decide`, prefills)
         # Chain lengths the engine runs in a device loop: their prices come from loop steps only
         # (profiled, then `observe_loop`), never from the same tier run synchronously, which a
         # head's chain pays ~1 ms of host drafting for at batch 1 (the loop: nothing extra).
@@ -185,9 +186,14 @@ class AdaptiveSpeculation:
         `waiting`: requests not yet admitted; with none, tiers are judged by how soon `reqs` finish
         (each may emit up to its `max_new_tokens`)."""
         self._budgets.clear()
-        if not reqs:  # nothing decodes: keep the shape, nothing to decide
+        if not reqs:  # nothing decodes: nothing to decide
             self._steps, self._probe, self._decoding = {}, False, 0
-            return settings_of(self.tier)
+            # A step of prefills alone under a speculative tier, whatever stands: the drafter then
+            # takes the prompts' features in the step (a head extends over them in its graphs). Off
+            # (left from the last batch's tail), the prefill ran as a plain step the head skipped,
+            # and the first speculative step caught it up synchronously: 11 ms at batch 16 on the
+            # H200 (EAGLE-3, the bench: every batch starts so), ~10% of the batch's wall time.
+            return settings_of(self.tier if not self.tier.off else self._last_speculative)
         # Off where no tier could win (`AdaptivePolicy.stays_off`), the policy reads no request
         if waiting or self.policy.stays_off(len(reqs)):
             remaining = None
@@ -205,6 +211,8 @@ class AdaptiveSpeculation:
         elif self.shadow is not None:
             self.shadow.drop()
         self.tier, self._steps = decision.tier, decision.steps
+        if not decision.tier.off:
+            self._last_speculative = decision.tier
         self._probe, self._emitted = decision.tier != self.policy.current, 0
         self._emitted_by.clear()
         self._decoding = len(reqs)
