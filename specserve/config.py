@@ -129,8 +129,8 @@ class AdaptiveConfig:
                 "must be an integer >= 1",
             )
         _require(0 <= self.min_reach < 1, f"{name}.min_reach", "must be in [0, 1)")
-        for field_name in ("request_alpha", "pooled_alpha"):
-            _require(0 < getattr(self, field_name) <= 1, f"{name}.{field_name}", "must be in (0, 1]")
+        for field_name in ("request_alpha", "pooled_alpha"):  # 1 would fade the counts to nothing
+            _require(0 < getattr(self, field_name) < 1, f"{name}.{field_name}", "must be in (0, 1)")
         _require(0 < self.prior < 1, f"{name}.prior", "must be in (0, 1)")
         _require(self.prior_strength > 0, f"{name}.prior_strength", "must be > 0")
         _require(

@@ -73,7 +73,9 @@ def test_a_device_loop_run_is_observed_request_by_request_and_step_by_step_for_t
         runs = []
         for r in range(6):
             steps = rng.randint(0, 8)  # a request that finished early made fewer verifies
-            runs.append((f"r{r}", [(d, rng.randint(0, d)) for d in (rng.randint(1, 8) for _i in range(steps))]))
+            runs.append(
+                (f"r{r}", [(d, rng.randint(0, d)) for d in (rng.randint(1, 8) for _i in range(steps))])
+            )
         run_all.observe_run(1, runs, 6)
         for rid, verifies in runs:
             by_request.observe_many(rid, 1, verifies, 6)
@@ -90,7 +92,9 @@ def test_a_device_loop_run_is_observed_request_by_request_and_step_by_step_for_t
                     accepted[i] += 1.0 if i < kept else 0.0
     ids = [f"r{r}" for r in range(6)]
     pool, own = run_all._pool(1), by_request._pool(1)
-    assert pool.tested == pytest.approx(tested, rel=1e-9) and pool.accepted == pytest.approx(accepted, rel=1e-9)
+    assert pool.tested == pytest.approx(tested, rel=1e-9) and pool.accepted == pytest.approx(
+        accepted, rel=1e-9
+    )
     assert pool.tested != pytest.approx(own.tested, rel=1e-6)  # step by step, not request by request
     for rid in ids:  # a request's own estimates: its verifies in order, as one at a time
         mine, theirs = run_all._requests[(rid, 1)], by_request._requests[(rid, 1)]

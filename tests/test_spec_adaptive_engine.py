@@ -377,7 +377,9 @@ def test_a_step_of_prefills_alone_runs_the_last_speculative_tier_decided():
     control = AdaptiveSpeculation(spec)
     assert control.decide([]).num_steps == 4  # none decided yet: the largest tier
     control.policy.decide = lambda *args, **kwargs: Decision(Tier.chain(2), {"r": 2}, 1.0, False)
-    req = SimpleNamespace(request_id="r", params=SimpleNamespace(max_new_tokens=9), num_output=0, prompt_len=3)
+    req = SimpleNamespace(
+        request_id="r", params=SimpleNamespace(max_new_tokens=9), num_output=0, prompt_len=3
+    )
     assert control.decide([req]).num_steps == 2
     control.policy.decide = lambda *args, **kwargs: Decision(OFF, {"r": 0}, 1.0, False)
     assert control.decide([req]).num_steps == 0 and control.decide([]).num_steps == 2
@@ -562,6 +564,8 @@ def test_adaptive_settings_from_every_edge(target):
         ({"probe_every": 1.5}, "probe_every"),
         ({"min_reach": 1}, "min_reach"),
         ({"prior": 1.0}, "prior"),
+        ({"request_alpha": 1}, "request_alpha"),  # would fade a request's counts to nothing: no crash
+        ({"pooled_alpha": 1.0}, "pooled_alpha"),
         ({"cost_alpha": "fast"}, "cost_alpha"),
         ({"calibration_fade": 1.0}, "calibration_fade"),
         ({"calibration_fade": "slow"}, "calibration_fade"),

@@ -112,7 +112,8 @@ class AdaptiveSpeculation:
             else GoodputCalibration(config.calibration_fade),
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
-        self._last_speculative: Tier = max(self.tiers)  # the last speculative tier decided (`decide`, prefills)
+        # the last speculative tier decided: a step of prefills alone runs it (`decide`)
+        self._last_speculative: Tier = max(self.tiers)
         # Chain lengths the engine runs in a device loop: their prices come from loop steps only
         # (profiled, then `observe_loop`), never from the same tier run synchronously, which a
         # head's chain pays ~1 ms of host drafting for at batch 1 (the loop: nothing extra).

@@ -138,14 +138,14 @@ class AdaptiveSettings(BaseModel):
     request_alpha: float = Field(
         _adaptive_default("request_alpha"),
         gt=0,
-        le=1,
-        description="Fade of a request's own acceptance evidence per verify (larger: follows its text faster).",
+        lt=1,
+        description="Fade of a request's own acceptance evidence per verify, below 1 (larger: follows its text faster).",
     )
     pooled_alpha: float = Field(
         _adaptive_default("pooled_alpha"),
         gt=0,
-        le=1,
-        description="Fade per step of the acceptance evidence pooled over all requests (the prior of a new request).",
+        lt=1,
+        description="Fade per step of the acceptance evidence pooled over all requests, below 1 (the prior of a new request).",
     )
     prior: float = Field(
         _adaptive_default("prior"),

@@ -28,7 +28,7 @@ nothing of the drafter, kept the H100's batch-1 EAGLE-3 runs on the 1-chain for 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -230,32 +230,6 @@ class AcceptanceTracker:
             ]
         return out
 
-    def reach_matrix(
-        self,
-        request_ids: Sequence[str],
-        topk: int,
-        explore: tuple[int, int] | None = None,
-        z: float = 1.0,
-        strength: float | None = None,
-    ) -> np.ndarray:
-        """[request, j]: `reach` of each request's `rates_of` (the chance its draft j + 1 and every
-        one before it survive), as one array: the policy scores a batch of 64 every engine step, and
-        the per-request lists of `rates_of` with their prefix sums were most of that host time."""
-        pooled = self.pooled(topk) if explore is None else self.pooled_upper(topk, z, explore)
-        strength = self.strength if strength is None else strength
-        rates = np.tile(np.asarray(pooled), (len(request_ids), 1))
-        requests = self._requests
-        owns = [requests.get((rid, topk)) for rid in request_ids]
-        rows = [i for i, own in enumerate(owns) if own is not None]
-        if rows:
-            kept = [owns[i] for i in rows]
-            scale = np.array([own._scale for own in kept])[:, None]
-            accepted = np.array([own._accepted for own in kept]) * scale
-            tested = np.array([own._tested for own in kept]) * scale
-            prior = strength * np.asarray(pooled)
-            rates[rows] = (accepted + prior) / (tested + strength)
-        return np.cumprod(rates, axis=1)
-
     def forget(self, request_id: str) -> None:
         """A finished request's own estimates (the pooled ones keep what it taught them)."""
         for key in [k for k in self._requests if k[0] == request_id]:
@@ -361,7 +335,7 @@ def expected_tokens(rates: Sequence[float], steps: int) -> float:
 
 def _fold_own(
     owns: Sequence[_Counts], present: np.ndarray, tests: np.ndarray, accepts: np.ndarray, alpha: float
-):
+) -> Iterator[tuple[list[float], list[float], float] | None]:
     """Per request, its run's outcomes folded into one increment of its counts, as `_Counts.add_many`
     adds them one by one: its m-th outcome (1-based) weighs 1 / (s (1 - alpha)^m), s its running
     factor before them. `present`: [request, step], whether the step made an outcome; `tests` /
@@ -377,11 +351,6 @@ def _fold_own(
     ends = (scales * keep ** order[:, -1].astype(float)).tolist()
     for row, end in enumerate(ends):
         yield None if end < _Counts._FLOOR else (tested[row], accepted[row], end)
-
-
-def prefix_matrix(reach: np.ndarray) -> np.ndarray:
-    """[request, s]: `expected_prefix` of each row's rates, from `reach_matrix`'s rows."""
-    return np.cumsum(np.hstack([np.ones((reach.shape[0], 1)), reach]), axis=1)
 
 
 def expected_prefix(rates: Sequence[float]) -> list[float]:

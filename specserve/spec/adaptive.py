@@ -84,12 +84,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from specserve.config import SpeculativeConfig
-from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, prefix_matrix
+from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
 from specserve.spec.calibration import GoodputCalibration, batch_class
-from specserve.spec.draft_depths import VerifyShapes, drain_depths, goodput_depths
+from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, VERIFY, StepCosts
 
 
@@ -187,9 +185,6 @@ class AdaptivePolicy:
         # for many steps, and correcting it anew each step was host work on every plain step
         self._corrected: tuple[_Scores, int, dict[Tier, float]] | None = None
         self._speculative = [t for t in self.tiers if not t.off]
-        self._by_topk: dict[int, list[Tier]] = {}  # topk -> its speculative tiers (scored together)
-        for tier in self._speculative:
-            self._by_topk.setdefault(tier.topk, []).append(tier)
         self._widths = sorted({1, *(t.query_len for t in self.tiers if t.topk == 1)})
         self._topks = sorted({t.topk for t in self.tiers if not t.off})
         self._idle: dict[str, int] = {}  # request -> speculative steps in a row it drafted nothing
@@ -454,64 +449,54 @@ class AdaptivePolicy:
         self, ids: tuple[str, ...], remaining: Sequence[int] | None, lead: tuple[int, ...] | None = None
     ) -> _Scores:
         """Each tier's depths per request, predicted goodput and score over `ids`: every request's
-        rates read once per topk, as arrays over the batch (`AcceptanceTracker.reach_matrix`)."""
+        rates read once, per topk."""
         batch = len(ids)
         left = None if remaining is None else [max(r, 1) for r in remaining]
-        left_array = None if left is None else np.asarray(left, dtype=float)
-        rows_of = np.arange(batch)
-        prefixes: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # topk -> (prefix sums, reach counts)
-        ahead: dict[int, np.ndarray] = {}  # the drain's forecast per topk, when it has its own
+        prefixes: dict[int, list[tuple[list[float], int]]] = {}
+        ahead: dict[int, list[list[float]]] = {}  # the drain's forecast per topk, when it has its own
         for topk in {t.topk for t in self.tiers if not t.off}:
+            rows = []
             explore = self._explore_span(topk)
             if left is not None and self.drain_strength is not None:
-                forecast = self.acceptance.reach_matrix(ids, topk, explore, self.probe_z, self.drain_strength)
-                ahead[topk] = prefix_matrix(forecast)
-            reached = self.acceptance.reach_matrix(ids, topk, explore, self.probe_z)
-            # A model drafter's request drafts only the positions it reaches with odds of at least
-            # min_reach; an n-gram lookup costs the same however deep (cut like that, a request
-            # fresh from a miss drafted 3 when its match ran on for 8): its cut, where narrower
-            # rows are cheaper, is `draft_depths`'.
-            if self.draft_per_step:
-                counts = (reached >= self.min_reach).sum(axis=1)
-            else:
-                counts = np.full(batch, reached.shape[1])
-            prefixes[topk] = (prefix_matrix(reached), counts)
+                forecast = self.acceptance.rates_of(ids, topk, explore, self.probe_z, self.drain_strength)
+                ahead[topk] = [expected_prefix(rates) for rates in forecast.values()]
+            for rates in self.acceptance.rates_of(ids, topk, explore, self.probe_z).values():
+                # A model drafter's request drafts only the positions it reaches with odds of at
+                # least min_reach; an n-gram lookup costs the same however deep (cut like that, a
+                # request fresh from a miss drafted 3 when its match ran on for 8): its cut, where
+                # narrower rows are cheaper, is `draft_depths`'.
+                reach_count = (
+                    sum(1 for p in reach(rates) if p >= self.min_reach) if self.draft_per_step else len(rates)
+                )
+                rows.append((expected_prefix(rates), reach_count))
+            prefixes[topk] = rows
         goodput: dict[Tier, float] = {}
         score: dict[Tier, float] = {}
         depths: dict[Tier, list[int]] = {}
-        total_left = 0 if left is None else sum(left)
         for tier in self.tiers:
-            if tier.off or not batch:  # off: one token a request a step
-                seconds = self.step_seconds(tier, batch) if batch else 1.0
-                goodput[tier] = batch / seconds
-                score[tier] = (
-                    goodput[tier] if left is None or not batch else total_left / (seconds * max(left))
-                )
-                depths[tier] = [0] * batch
-        for topk, tiers in self._by_topk.items():
             if not batch:
-                break
-            prefix, counts = prefixes[topk]
-            chosen = np.stack([self._depths(tier, prefix, counts, left) for tier in tiers])  # [tier, request]
-            tokens = prefix[rows_of, chosen]
-            sums, drafts = tokens.sum(axis=1).tolist(), chosen.sum(axis=1).tolist()
-            deepest, drafting = chosen.max(axis=1).tolist(), np.count_nonzero(chosen, axis=1).tolist()
-            if left_array is not None:  # drain: the batch's tokens over the time its last request takes
-                forecast = ahead.get(topk)
-                last = (
-                    (left_array / (tokens if forecast is None else forecast[rows_of, chosen]))
-                    .max(axis=1)
-                    .tolist()
-                )
-            for i, (tier, row) in enumerate(zip(tiers, chosen.tolist(), strict=True)):
-                seconds = self._step_seconds(tier, batch, deepest[i], drafting[i], drafts[i])
-                goodput[tier] = sums[i] / seconds
-                score[tier] = goodput[tier] if left_array is None else total_left / (seconds * last[i])
-                if not drafting[i]:
-                    score[tier] = (
-                        0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
-                    )
-                depths[tier] = row
+                goodput[tier] = score[tier] = 0.0
+                depths[tier] = []
+                continue
+            if tier.off:
+                chosen, tokens = [0] * batch, [1.0] * batch
+                seconds = self.step_seconds(tier, batch)
+            else:
+                rows = prefixes[tier.topk]
+                chosen = self._depths(tier, rows, left)
+                tokens = [prefix[d] for (prefix, _), d in zip(rows, chosen, strict=True)]
+                seconds = self._seconds(tier, batch, chosen)
+            goodput[tier] = sum(tokens) / seconds
+            if left is None:
+                score[tier] = goodput[tier]
+            else:  # drain: the batch's tokens over the time until its last request finishes
+                forecast = ahead.get(tier.topk)
+                if forecast is not None:
+                    tokens = [prefix[d] for prefix, d in zip(forecast, chosen, strict=True)]
+                score[tier] = sum(left) / (seconds * drain_steps(tokens, left))
+            if not tier.off and not any(chosen):
+                score[tier] = 0.0  # nobody drafts: a decode step, which off is (overlapped, where it can be)
+            depths[tier] = chosen
         if lead is None and remaining is not None:
             lead = _lead(remaining)
         acceptance = self.acceptance
@@ -546,23 +531,22 @@ class AdaptivePolicy:
         deeper = [t.num_steps for t in self.tiers if t.topk == topk and t.num_steps > current.num_steps]
         return (current.num_steps, min(deeper)) if deeper else None
 
-    def _depths(
-        self, tier: Tier, prefix: np.ndarray, counts: np.ndarray, left: list[int] | None
-    ) -> np.ndarray:
-        """Each request's draft steps in `tier` (see `draft_depths` for an n-gram chain), from its
-        row of expected prefix sums and how many positions it reaches (`_score`)."""
-        k, batch = tier.num_steps, prefix.shape[0]
+    def _depths(self, tier: Tier, rows: list[tuple[list[float], int]], left: list[int] | None) -> list[int]:
+        """Each request's draft steps in `tier` (see `draft_depths` for an n-gram chain)."""
+        k, batch = tier.num_steps, len(rows)
         if tier.topk > 1 or self.draft_per_step:
-            return np.clip(counts, 1, k)
+            return [max(1, min(k, n)) for _, n in rows]
         if self.shapes is None or self.shapes.bucket(batch, k + 1) is not None:
-            return np.full(batch, k)  # padded to the widest row: a narrower one saves nothing
-        rows = prefix.tolist()
+            return [k] * batch  # padded to the widest row: a narrower one saves nothing
+        prefixes = [prefix for prefix, _ in rows]
         if left is not None:
-            return np.asarray(drain_depths(rows, left, k))
+            return drain_depths(prefixes, left, k)
         per_token = max(self._eager_seconds(batch, k + 1) - self._eager_seconds(batch, 1), 0.0) / (batch * k)
         per_request = self.costs.estimate(DRAFT, batch, tier.topk) / batch
-        chosen, _ = goodput_depths(rows, k, lambda d: self._seconds(tier, batch, d), per_token, per_request)
-        return np.asarray(chosen)
+        chosen, _ = goodput_depths(
+            prefixes, k, lambda d: self._seconds(tier, batch, d), per_token, per_request
+        )
+        return chosen
 
     def _seconds(self, tier: Tier, batch: int, depths: Sequence[int]) -> float:
         """A step of `tier` whose requests draft `depths` (0: decodes in the pass): the verify, and
