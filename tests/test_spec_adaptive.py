@@ -42,30 +42,12 @@ def test_tracker_learns_per_position_and_per_request():
         t.observe("a", 1, drafted=2, accepted=3)
 
 
-def test_a_runs_verifies_observed_at_once_count_as_one_at_a_time():
-    """`observe_many` (a device-loop run's verifies of a request in one call) leaves every estimate
-    and the version where `observe` one at a time would, and refuses the same bad counts."""
-    rng = random.Random(5)
-    one, many = AcceptanceTracker(8), AcceptanceTracker(8)
-    for _ in range(40):
-        for r in range(6):
-            run = [(d, rng.randint(0, d)) for d in (rng.randint(1, 8) for _i in range(rng.randint(1, 8)))]
-            for drafted, accepted in run:
-                one.observe(f"r{r}", 1, drafted, accepted, 6)
-            many.observe_many(f"r{r}", 1, run, 6)
-    ids = [f"r{r}" for r in range(8)]
-    assert many.rates_of(ids, 1) == one.rates_of(ids, 1) and many.pooled(1) == one.pooled(1)
-    assert many.version == one.version
-    with pytest.raises(ValueError, match="accepted"):
-        many.observe_many("r0", 1, [(2, 1), (2, 3)])
-
-
 @pytest.mark.parametrize("request_alpha", [0.1, 0.9])  # 0.9: the running factor renormalises too
 def test_a_device_loop_run_is_observed_request_by_request_and_step_by_step_for_the_pool(request_alpha):
     """`observe_run` (a loop run's verifies of every request at once): each request's own rates as
-    `observe_many` makes them; the pool's counts fade by `pooled_alpha` once per step of the run and
-    count that step's verifies alike (a step where fewer verified fades it less), as the plain
-    statement below does; bad counts are refused."""
+    `observe` makes them one at a time; the pool's counts fade by `pooled_alpha` once per step of
+    the run and count that step's verifies alike (a step where fewer verified fades it less), as the
+    plain statement below does; bad counts are refused."""
     rng = random.Random(7)
     run_all, by_request = AcceptanceTracker(8, request_alpha), AcceptanceTracker(8, request_alpha)
     tested, accepted = [0.0] * 8, [0.0] * 8
@@ -78,7 +60,8 @@ def test_a_device_loop_run_is_observed_request_by_request_and_step_by_step_for_t
             )
         run_all.observe_run(1, runs, 6)
         for rid, verifies in runs:
-            by_request.observe_many(rid, 1, verifies, 6)
+            for drafted, kept in verifies:
+                by_request.observe(rid, 1, drafted, kept, 6)
         for step in range(max(len(v) for _, v in runs)):
             made = [v[step] for _, v in runs if len(v) > step]
             if not made:

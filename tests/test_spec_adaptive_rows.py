@@ -276,7 +276,7 @@ def test_at_batch_1_a_loop_run_feeds_every_chain_s_correction():
     req = _request("r0")
     control.decide([req], 1)
     promised = {k: control.acceptance.expected_tokens("r0", 1, k) for k in (1, 2, 4, 8)}
-    control.observe_chains(req, [(2, 1)] * RUN, 1)
+    control.observe_run_chains([(req, [(2, 1)] * RUN)], 1)
     control.observe_run(1, 2, tokens=RUN * 2, seconds=0.02)
     made = control.diagnostics(1)["calibration"]
     for k in (1, 2, 4, 8):

@@ -255,25 +255,15 @@ class AdaptiveSpeculation:
         came out shorter than the tier counts as rejected past its end: what a chain that deep gains
         is what the lookups give, short ones included (counting only the drafted positions, the
         policy expected 2.2 tokens a verify of the 8-chain at batch 64 where 1.72 came)."""
-        self.observe_chains(req, [(depth, accepted)], batch)
-
-    def observe_chains(self, req: Request, verifies: Sequence[tuple[int, int]], batch: int) -> None:
-        """`observe_chain` for each (depth, accepted) of a run's verifies of `req`, in order, in one
-        call: at batch 64 a run settles 512 of them an engine step, and a call each was most of the
-        adaptive engine's extra settle time there in a CPU profile (docs/benchmarks.md, twelfth
-        session)."""
-        kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]
-        if kept:
-            if self._on_verifies(batch):
-                self._chain_outcomes(req.request_id, kept)
-            self.acceptance.observe_many(req.request_id, 1, kept, batch)
-            self._verified[req.request_id] += len(kept)
+        self.observe_run_chains([(req, [(depth, accepted)])], batch)
 
     def observe_run_chains(
         self, runs: Sequence[tuple[Request, Sequence[tuple[int, int]]]], batch: int
     ) -> None:
-        """`observe_chains` of a device-loop run's requests in one call: their (depth, accepted)
-        verifies, the run's steps in order (`AcceptanceTracker.observe_run`)."""
+        """`observe_chain` for each (depth, accepted) verify of a device-loop run, per request in
+        order, in one call: at batch 64 a run settles 512 of them an engine step, and observed one
+        by one they were most of the adaptive engine's host work there
+        (`AcceptanceTracker.observe_run`; docs/benchmarks.md, twelfth and seventeenth sessions)."""
         if self._on_verifies(batch):
             for req, verifies in runs:
                 kept = [(depth, min(accepted, depth)) for depth, accepted in verifies if depth > 0]

@@ -86,20 +86,13 @@ class AcceptanceTracker:
         else:
             self.version += 1
 
-    def observe_many(
-        self, request_id: str, topk: int, verifies: Sequence[tuple[int, int]], batch: int = 1
-    ) -> None:
-        """`observe` of several verifies of one request, (drafted, accepted) each, in order."""
-        self._observe(request_id, topk, verifies, batch)
-        self.version += len(verifies)
-
     def observe_run(
         self, topk: int, runs: Sequence[tuple[str, Sequence[tuple[int, int]]]], batch: int
     ) -> list[int]:
         """A device-loop run's verifies: each request's (drafted, accepted) in order, its j-th verify
         made in the run's step j alongside the other requests' j-th; accepted counts up to drafted,
         and a verify that drafted nothing (a request at its end) tested nothing and is left out.
-        A request's own estimates take its verifies as `observe_many` does; the pool takes each
+        A request's own estimates take its verifies as `observe` one at a time does; the pool takes each
         step's verifies together, fading by `pooled_alpha` once over the step (as over `batch`
         verifies) and counting them alike. At batch 64 a run settles 512 verifies an engine step,
         and observed one by one they were the adaptive engine's largest host cost there; the pool
