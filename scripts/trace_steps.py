@@ -9,7 +9,11 @@ EOS ignored, and times every `Engine.step` on the host. Each step gets a kind:
 - `loop`: a run was settled (with or without the next one queued: `loop-last` when none was);
 - `sync`: the synchronous path (plain decode, or a speculative step drafted on the host).
 
-Prints per system the bench's tok/s, then the time and count per kind, and the gaps between steps.
+Prints per system the bench's tok/s, then the time and count per kind (with adaptive speculation,
+per kind and tier: `loop@3`, `sync@off`), and the gaps between steps; then, per chain length, what a
+loop iteration cost against the requests' mean context (runs queued behind the one before: their
+step's wall over their iterations; a least-squares line and the means by context quartile). The
+collector is frozen after the warm-up, as the bench does.
 TRACE_PROFILE=N also prints, for each system's first traced run, where the host spent its first N
 steps (cProfile, top functions by cumulative time); TRACE_TORCH=N the same steps under the torch
 profiler (operators by host time and by device time, so a slow step shows whether it waits on the
@@ -23,6 +27,7 @@ TRACE_DATA names the data set (default mt-bench) or a prompts file, as `specserv
 import argparse
 import cProfile
 import faulthandler
+import gc
 import os
 import pstats
 import time
@@ -33,6 +38,7 @@ import torch
 from specserve import bench
 from specserve.bench_data import prompt_texts
 from specserve.cli_spec_args import parse_spec, spec_name
+from specserve.engine.adaptive_control import context_tokens
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import chat_prompt_ids
 from specserve.types import SamplingParams
@@ -49,6 +55,8 @@ DATA = os.environ.get("TRACE_DATA", "mt-bench")
 PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
 
 
+# (mean context, seconds per iteration) of every loop run queued behind the one before, by chain length
+ITERATIONS: dict[int, list[tuple[float, float]]] = defaultdict(list)
 ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
@@ -60,11 +68,29 @@ def _kind(engine, flight_before: bool, flight_after: bool) -> str:
     return "loop-first" if flight_after else "sync"
 
 
+def context_fit(samples: list[tuple[float, float]]) -> str:
+    """ms per loop iteration against the requests' mean context: a least-squares line, and by quartile."""
+    if len(samples) < 4:
+        return f"{len(samples)} samples"
+    xs, ys = [c for c, _ in samples], [s * 1e3 for _, s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / spread if spread else 0.0
+    order = sorted(samples)
+    q = len(order) // 4 or 1
+    bins = [order[i : i + q] for i in range(0, len(order), q)][:4]
+    cells = " ".join(
+        f"{sum(c for c, _ in b) / len(b):.0f}:{sum(s for _, s in b) / len(b) * 1e3:.3f}" for b in bins
+    )
+    return f"{len(samples)} runs, ms = {my - slope * mx:.3f} + {slope * 1e3:.4f}/1k tokens x context; by context {cells}"
+
+
 def traced_run(
     llm, prompts: list[list[int]], profile: int = 0, torch_steps: int = 0
 ) -> tuple[float, dict, list[float], int]:
     engine = llm.engine
     times: dict[str, list[float]] = defaultdict(list)
+    per_iter = ITERATIONS
     stamps: list[tuple[float, float]] = []
     original = engine.step
     profiler = cProfile.Profile() if profile else None
@@ -78,7 +104,11 @@ def traced_run(
             with torch.profiler.profile(activities=ACTIVITIES) as prof:
                 out = original()
                 torch.cuda.synchronize()
-            print(f"\n### step {len(stamps)} ({kind}) under the torch profiler")
+            tier = engine.adaptive.tier.name if engine.adaptive is not None else "-"
+            ms = (time.perf_counter() - start) * 1e3
+            print(
+                f"\n### step {len(stamps)} ({kind}, tier {tier}, {ms:.1f} ms profiled) under the torch profiler"
+            )
             for key in ("self_cpu_time_total", "self_device_time_total"):
                 print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
         else:
@@ -93,11 +123,35 @@ def traced_run(
             print(f"slow step {len(stamps)}: {(end - start) * 1e3:.1f} ms, tier {tier}", flush=True)
         if kind != "prefill":
             kind = _kind(engine, before, engine._loop_flight is not None)
+        if engine.adaptive is not None:  # which tier each kind of step ran
+            kind = f"{kind}@{engine.adaptive.tier.name}"
         times[kind].append(end - start)
         stamps.append((start, end))
         return out
 
-    engine.step = step
+    settled = []
+    settle = engine._loop_settle
+
+    def seen_settle(flight, chained):
+        settled.append(flight)
+        return settle(flight, chained)
+
+    engine._loop_settle = seen_settle
+
+    def timed_step():
+        count = len(settled)
+        start = time.perf_counter()
+        out = step()
+        seconds = time.perf_counter() - start
+        if (
+            len(settled) > count and settled[-1].resumed
+        ):  # a run queued behind the one before: its device time
+            flight = settled[-1]
+            context = context_tokens(flight.reqs)
+            per_iter[flight.loop.num_steps].append((context, seconds / flight.steps))
+        return out
+
+    engine.step = timed_step
     planned = []
     launch = engine._loop_launch
 
@@ -117,6 +171,7 @@ def traced_run(
     wall = time.perf_counter() - start
     engine.step = original
     del engine._loop_launch
+    del engine._loop_settle
     if planned:  # launched loop iterations (against the verifies that made tokens)
         times["planned iterations"] = [0.0] * sum(planned)
     if profiler is not None:
@@ -138,6 +193,8 @@ def main() -> None:
     for spec in specs:
         llm = bench._engine(args, loaded, spec, 64, pool)
         llm.generate(chats[:2], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        gc.collect()
+        gc.freeze()  # as the bench does: the collector never walks the load in a timed run
         for b in PRELUDE:
             llm.generate(chats[:b], SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True))
         for p in range(PROMPTS):
@@ -160,6 +217,9 @@ def main() -> None:
                 f"  before first step {gaps[0] * 1e3:.2f} ms, after last {gaps[1] * 1e3:.2f} ms, "
                 f"between steps {sum(gaps[2:]) * 1e3:.2f} ms over {len(gaps) - 2}"
             )
+        for depth, samples in sorted(ITERATIONS.items()):
+            print(f"  loop iterations, chain {depth}: {context_fit(samples)}")
+        ITERATIONS.clear()
         del llm
         torch.cuda.empty_cache()
 

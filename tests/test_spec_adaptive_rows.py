@@ -162,6 +162,43 @@ def test_a_loop_step_s_gap_is_priced_per_context_token_by_width():
     assert sync.estimate(VERIFY, 64, 9) == pytest.approx(1.5e-3)
 
 
+def test_a_loop_gap_that_does_not_grow_with_the_context_is_not_priced_as_if_it_did():
+    """The H200 (this session's `scripts/trace_steps.py`, MT-Bench, batch 64 and 16): a loop
+    iteration cost the same over contexts of 150 as of 330 tokens. Priced per context token, the
+    4-chain's gap measured at a batch's start (~150) priced it at twice its gap by the batch's end,
+    above the 5-chain beside it measured later (batch 16: 1.88 against 1.71 ms predicted, 1.40 and
+    1.46 measured), and the policy held the dearer chain. A width whose steps spread over contexts
+    reads its slope from them; one that does not borrows the slope of the widths beside it."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(64, q) for q in (3, 9)], _profile)
+    flat = 0.4 * MS  # the gap, whatever the context
+    for context in (140.0, 150.0, 160.0, 170.0):  # the 2-chain's steps at a batch's start
+        costs.observe(VERIFY, 64, 3, _profile(64, 3) + flat, rows=True, context=context)
+    costs.context = 330.0
+    assert costs.estimate(VERIFY, 64, 3) == pytest.approx(_profile(64, 3) + flat)
+    # the 8-chain measured at one context only: the 2-chain's slope (none) carries over
+    for _ in range(3):
+        costs.observe(VERIFY, 64, 9, _profile(64, 9) + flat, rows=True, context=300.0)
+    assert costs.estimate(VERIFY, 64, 9) == pytest.approx(_profile(64, 9) + flat)
+    # a gap that grows: its slope, read from the steps, but never past all of it per token
+    rising = StepCosts()
+    rising.profile(VERIFY, [(64, 3)], _profile)
+    for context in (200.0, 250.0, 300.0):
+        rising.observe(
+            VERIFY, 64, 3, _profile(64, 3) + (0.2 + 0.002 * context) * MS, rows=True, context=context
+        )
+    rising.context = 400.0
+    assert rising.estimate(VERIFY, 64, 3) == pytest.approx(_profile(64, 3) + 1.0 * MS)
+    steep = StepCosts()
+    steep.profile(VERIFY, [(64, 3)], _profile)
+    for context in (200.0, 250.0, 300.0):  # faster than in proportion (noise): in proportion
+        steep.observe(
+            VERIFY, 64, 3, _profile(64, 3) + (0.01 * context - 1.5) * MS, rows=True, context=context
+        )
+    steep.context = 500.0
+    assert steep.estimate(VERIFY, 64, 3) == pytest.approx(_profile(64, 3) + 1.0 * MS * 500 / 250)
+
+
 def test_a_loop_gap_measured_at_a_smaller_batch_prices_a_larger_one_at_its_own():
     """Past the measured batches, the nearest one's gap per token of the mean context. Per token of
     all the requests' contexts, batch 4's gap priced batch 16 at 4 times it (the attention at batch 4

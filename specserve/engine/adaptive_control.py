@@ -297,7 +297,7 @@ class AdaptiveSpeculation:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
         run the device ran back to back over contexts of `context` tokens on average
         (`context_tokens`: where the profile's contexts are empty, what it costs beyond the profile
-        is priced per context token, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a
+        grows with the context as its steps show, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a
         steady step of its tier. `settle`: the host's seconds appending the run before, which the
         device spent on this one and a switch leaves it idle for (the policy's switch cost)."""
         self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)

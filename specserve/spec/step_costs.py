@@ -26,11 +26,17 @@ batch, so the nearest batch's residual alone priced a 64-request verify like a 1
 and the policy would wander from tier to tier, each disappointing once tried (issue 9, batch 4).
 
 A device loop's step (`observe`'s `rows`) has no host work between its forwards: what it costs beyond
-its profile is the attention over the requests' real contexts (the profile's rows hold one token).
-So its gap is kept per token of the requests' mean context (`context`: the engine passes it, and
-sets `StepCosts.context` to the mean of the step it prices; a gap measured over short contexts then
-prices one over long contexts in proportion, where a gap as it was lagged the contexts' growth), per
-width and batch: between measured batches linear, past them the nearest one's. Per token of all the
+its profile is the attention over the requests' real contexts (the profile's rows hold one token),
+so its gap is kept with the requests' mean context (`context`: the engine passes it, and sets
+`StepCosts.context` to the mean of the step it prices), per width and batch (between measured
+batches linear, past them the nearest one's), and priced at today's contexts along a slope per
+context token read from the steps: a width's own where their contexts spread by `CONTEXT_SPREAD`
+of their mean, else that of the widths measured at the batch that do, never below 0 nor above all
+of the gap per token; with no slope to read, in proportion to the context. A gap as it was lagged
+the contexts' growth; in proportion, it priced what does not grow: on the H200 (eighteenth session,
+`scripts/trace_steps.py`, MT-Bench, batch 16 and 64) a loop iteration cost the same over contexts of
+150 as of 330 tokens, and the proportional price of a chain measured at a batch's start rose to
+1.3-1.5x its steady steps by the batch's end (the 3-chain above the 4-chain measured later). Per token of all the
 requests' contexts instead, the gap measured at batch 4 (where the attention is bound by latency,
 not by the tokens) priced a loop step at batch 16 at 4 times its gap, and no loop tier ran there to
 correct it (the H200, mixed prompts: off for 160 engine steps where every static chain made 1.14-1.17x
@@ -77,6 +83,7 @@ import bisect
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
 # The host's settle of a device-loop run (width 1), hidden behind the next run while the tier stands
@@ -90,6 +97,9 @@ SETTLE = "settle"
 # (`scripts/adaptive_sim.py`).
 MIN_SAMPLES = 3
 OUTLIER = 2.0  # a measurement over this many times its window's median is not the shape's cost
+# A loop gap's slope in context is read from its steps only where their contexts spread by at least
+# this part of their mean (standard deviation); closer, measurement noise would set it.
+CONTEXT_SPREAD = 0.05
 
 
 class StepCosts:
@@ -120,10 +130,11 @@ class StepCosts:
             tuple[str, int], deque[tuple[float, float]]
         ] = {}  # (kind, batch) -> live minus profiled
         self._residual: dict[str, dict[int, float]] = {}  # kind -> batch -> robust mean of its gaps
-        # device-loop steps' gaps per context token (module docstring): (kind, width, batch) ->
-        # its last ones, and (kind, width) -> batch -> their robust mean
-        self._loop_gaps: dict[tuple[str, int, int], deque[tuple[float, float]]] = {}
-        self._loop_gap: dict[tuple[str, int], dict[int, float]] = {}
+        # device-loop steps' gaps over their profile and the contexts they were measured at (module
+        # docstring): (kind, width, batch) -> the last (seconds, gap, context), and (kind, width) ->
+        # batch -> what prices them (`_ContextGap`)
+        self._loop_gaps: dict[tuple[str, int, int], deque[tuple[float, float, float]]] = {}
+        self._loop_gap: dict[tuple[str, int], dict[int, _ContextGap]] = {}
         # the mean context (tokens) of the requests of the step being priced; 1: unknown, and loop
         # gaps are then kept and priced as measured
         self.context = 1.0
@@ -166,15 +177,33 @@ class StepCosts:
             return
         gap = seconds - _interpolate(profiled, batch)
         if rows:
-            gaps = self._loop_gaps.setdefault((kind, width, batch), deque(maxlen=self.window))
-            gaps.append((seconds, gap / max(context, 1.0)))
-            row = self._loop_gap.setdefault((kind, width), {})
-        else:
-            gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
-            gaps.append((seconds, gap))
-            row = self._residual.setdefault(kind, {})
+            self._observe_loop_gap(kind, width, batch, (seconds, gap, max(context, 1.0)))
+            return
+        gaps = self._gaps.setdefault((kind, batch), deque(maxlen=self.window))
+        gaps.append((seconds, gap))
         if len(gaps) >= self.min_samples:
-            row[batch] = robust_mean(gaps)
+            self._residual.setdefault(kind, {})[batch] = robust_mean(gaps)
+
+    def _observe_loop_gap(
+        self, kind: str, width: int, batch: int, sample: tuple[float, float, float]
+    ) -> None:
+        """A loop step's (seconds, gap, context): its width's price at this batch. A width's slope in
+        context is read from its own steps where their contexts spread, else from those of the
+        widths measured here that do (one measured at one context says nothing of it)."""
+        gaps = self._loop_gaps.setdefault((kind, width, batch), deque(maxlen=self.window))
+        gaps.append(sample)
+        if len(gaps) < self.min_samples:
+            return
+        measured = {
+            w: _kept(self._loop_gaps[(k, w, b)])
+            for (k, w, b) in self._loop_gaps
+            if k == kind and b == batch and len(self._loop_gaps[(k, w, b)]) >= self.min_samples
+        }
+        own = {w: _context_slope([kept]) for w, kept in measured.items()}
+        pooled = _context_slope([measured[w] for w, slope in own.items() if slope is not None])
+        for w, kept in measured.items():
+            slope = own[w] if own[w] is not None else pooled
+            self._loop_gap.setdefault((kind, w), {})[batch] = _ContextGap.of(kept, slope)
 
     def samples(self, kind: str, batch: int, width: int) -> int:
         """How many steady measurements of this shape are kept (at most `window`; its price counts
@@ -237,17 +266,21 @@ class StepCosts:
 
     def loop_gap(self, kind: str, batch: int, width: int) -> float:
         """Seconds a device-loop step of this shape takes beyond its profile over contexts of
-        `self.context` tokens: each measured width's gap per token at `batch` (linear in batch
+        `self.context` tokens: each measured width's gap at those contexts at `batch` (linear in batch
         between the batches that measured it, past them the nearest one's), and between widths
         linear; past the widest along their slope (never falling: one width alone, its gap), below
         the narrowest in proportion to the width (the module docstring)."""
-        at = {w: _clamped(row, batch) for (k, w), row in self._loop_gap.items() if k == kind and row}
+        at = {
+            w: _clamped({b: gap.at(self.context) for b, gap in row.items()}, batch)
+            for (k, w), row in self._loop_gap.items()
+            if k == kind and row
+        }
         if not at:
             return 0.0
         narrowest = min(at)
         if width < narrowest:  # the least a part per request and one per row could make it
-            return at[narrowest] * width / narrowest * self.context
-        return max(_interpolate(at, width, affine=True), 0.0) * self.context
+            return at[narrowest] * width / narrowest
+        return max(_interpolate(at, width, affine=True), 0.0)
 
     def _borrow_shape(self, kind: str, width: int, row: dict[int, float], batch: int) -> float:
         """A live-only shape: between measured batches linear; outside them the nearest measured cost
@@ -278,10 +311,50 @@ def robust_mean(samples: Iterable[tuple[float, float]]) -> float:
     drops out, while the spread of a tier's own steps stays in (a chain step whose lookups found
     short drafts runs a narrower bucket, ~0.7x a full one: their median alone priced the tier at
     its dearer steps, their mean is what it costs)."""
-    samples = list(samples)
-    cut = OUTLIER * statistics.median(seconds for seconds, _ in samples)
-    kept = [value for seconds, value in samples if seconds <= cut]
+    kept = [value for _, value in _kept(samples)]
     return sum(kept) / len(kept)
+
+
+def _kept(samples: Iterable[tuple]) -> list[tuple]:
+    """The samples (seconds first) within `OUTLIER` times their median seconds."""
+    samples = list(samples)
+    cut = OUTLIER * statistics.median(sample[0] for sample in samples)
+    return [sample for sample in samples if sample[0] <= cut]
+
+
+class _ContextGap(NamedTuple):
+    """A loop width's gap at one batch: its mean over the kept steps, the mean context they were
+    measured at, and how much it grows per context token (module docstring)."""
+
+    gap: float
+    context: float
+    slope: float
+
+    @classmethod
+    def of(cls, kept: list[tuple[float, float, float]], slope: float | None) -> _ContextGap:
+        gap = sum(g for _, g, _ in kept) / len(kept)
+        context = sum(c for _, _, c in kept) / len(kept)
+        proportional = max(gap, 0.0) / context  # all of it per context token: the most it could grow
+        return cls(gap, context, proportional if slope is None else min(max(slope, 0.0), proportional))
+
+    def at(self, context: float) -> float:
+        return self.gap + self.slope * (context - self.context)
+
+
+def _context_slope(groups: list[list[tuple[float, float, float]]]) -> float | None:
+    """The least-squares slope of the gap in context, each group (a width's kept steps) about its own
+    means; None where their contexts spread too little (`CONTEXT_SPREAD`) to tell it from noise."""
+    n, cov, var, level = 0, 0.0, 0.0, 0.0
+    for kept in groups:
+        mean_c = sum(c for _, _, c in kept) / len(kept)
+        mean_g = sum(g for _, g, _ in kept) / len(kept)
+        cov += sum((c - mean_c) * (g - mean_g) for _, g, c in kept)
+        var += sum((c - mean_c) ** 2 for _, _, c in kept)
+        level += mean_c * len(kept)
+        n += len(kept)
+    if n == 0 or var <= n * (CONTEXT_SPREAD * level / n) ** 2:
+        return None
+    return cov / var
 
 
 def _slope(row: dict[int, float], sizes: list[int]) -> float:
