@@ -27,7 +27,13 @@ from specserve.train.trainer import TrainConfig, train_head
 from engine_utils import loop_llm
 
 VOCAB = 96
-HEADS = {"eagle3": {"draft_vocab_size": 64}, "eagle": {"layers_per_module": 2}, "mtp": {"num_modules": 3}}
+# The random EAGLE-3 head is a deeper one (its further layer through the fused stream kernels); the
+# trained one below has one layer, as the shipped head.
+HEADS = {
+    "eagle3": {"draft_vocab_size": 64, "layers_per_module": 2},
+    "eagle": {"layers_per_module": 2},
+    "mtp": {"num_modules": 3},
+}
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,12 @@ from specserve import LLM, SamplingParams
 from specserve.engine.sampler import SamplingBatch, filtered_probs
 from specserve.model.head_checkpoint import load_head, random_head, save_head
 
+CPU = torch.device("cpu")
 VOCAB = 96
 HEADS = {
     "eagle": ("eagle", {"layers_per_module": 2}),
     "eagle3": ("eagle3", {"draft_vocab_size": 64}),
+    "eagle3-deep": ("eagle3", {"layers_per_module": 2}),
     "mtp": ("mtp", {"num_modules": 3}),
 }
 
@@ -160,5 +162,25 @@ def test_head_folder_round_trip_and_errors(target, heads, tmp_path):
         load_head(broken, "eagle3", target.model, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="speculative.draft_model"):
         _llm(target, "eagle", tmp_path / "missing", 3)
+    _deep_eagle3_folder_names(target, tmp_path)
     mtp = load_head(heads["mtp"], "mtp", target.model, torch.device("cpu"), torch.float32)
     assert len(mtp.step_modules) == 3 and mtp.step_modules[2].shared_head.head is None
+
+
+def _deep_eagle3_folder_names(target, tmp_path) -> None:
+    """A deeper EAGLE-3 head stores `midlayer.*` as layer 0 and its further layers as `layers.1.*`
+    on, with num_hidden_layers counting all; a layer missing or beyond that count is refused."""
+    config, tensors = random_head("eagle3", target.arch, seed=5, layers_per_module=3)
+    assert config["num_hidden_layers"] == 3
+    assert {n.split(".")[1] for n in tensors if n.startswith("layers.")} == {"1", "2"}
+    head = load_head(
+        save_head(tmp_path / "deep", config, tensors), "eagle3", target.model, CPU, torch.float32
+    )
+    assert head.spec.layers_per_module == 3 and head.spec.arch.num_layers == 3
+    torch.testing.assert_close(
+        head.step_modules[0].layers[1].mlp.down_proj.weight, tensors["layers.2.mlp.down_proj.weight"]
+    )
+    for wrong in (2, 4):
+        broken = save_head(tmp_path / f"deep{wrong}", {**config, "num_hidden_layers": wrong}, tensors)
+        with pytest.raises(ValueError, match="speculative.draft_model.*layers.1"):
+            load_head(broken, "eagle3", target.model, CPU, torch.float32)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from head_reference import reference_step_logits
 
 from specserve import LLM, SamplingParams, default_drafter
@@ -119,7 +120,12 @@ def test_max_samples_holds_across_saves(target, tmp_path):
 
 @pytest.mark.parametrize(
     "method, shape",
-    [("eagle3", {"draft_vocab_size": 64}), ("eagle", {"layers_per_module": 2}), ("mtp", {"num_modules": 3})],
+    [
+        ("eagle3", {"draft_vocab_size": 64}),
+        ("eagle3", {"layers_per_module": 2}),
+        ("eagle", {"layers_per_module": 2}),
+        ("mtp", {"num_modules": 3}),
+    ],
 )
 def test_unrolled_training_forward_is_what_the_drafter_computes(target, tmp_path, method, shape):
     """Every chain step of the training forward, at every depth, equals the from-scratch statement of
@@ -213,11 +219,14 @@ def test_fused_chain_attention_equals_the_dense_one(dtype, tol):
         torch.testing.assert_close(got.float(), want.float(), atol=tol * 2, rtol=tol)
 
 
-def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=None, answer_start=None):
+def reference_loss(
+    head, target, batch: Batch, steps: int, decay: float, t2d=None, answer_start=None, hard_label=0.0
+):
     """The batch's loss written plainly: the target's log-probabilities at every position, each
     step's KL from log_softmax of its logits at the positions whose label exists (and, with a reduced
     vocabulary, whose target argmax is a draft token), averaged (those predicting one of an answer's
-    first `answer_start.tokens` weighing `answer_start.weight`); autograd does the rest."""
+    first `answer_start.tokens` weighing `answer_start.weight`), the labels (1 - hard_label) p +
+    hard_label onehot(argmax p); autograd does the rest."""
     bsz, seq = batch.ids.shape
     positions = torch.arange(seq)
     is_label = (positions >= batch.prompt_lens[:, None] - 1) & (positions <= batch.lengths[:, None] - 2)
@@ -241,7 +250,10 @@ def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=Non
         if answer_start is not None:
             answer = positions[offset:] - (batch.prompt_lens[:, None] - 1)  # of the label row p + offset
             weight[answer < answer_start.tokens] = answer_start.weight
-        kl_rows = (label.exp() * (label - logq)).sum(-1)
+        probs = label.exp()
+        onehot = F.one_hot(label.argmax(-1), probs.shape[-1]).float()
+        probs = (1 - hard_label) * probs + hard_label * onehot
+        kl_rows = (torch.special.xlogy(probs, probs) - probs * logq).sum(-1)
         kl = (kl_rows * weight)[mask].sum() / weight[mask].sum()
         total = total + decay**s * kl
         losses.append(float(kl.detach()))
@@ -250,21 +262,24 @@ def reference_loss(head, target, batch: Batch, steps: int, decay: float, t2d=Non
 
 
 @pytest.mark.parametrize(
-    "method, shape, answer_start",
+    "method, shape, answer_start, hard_label",
     [
-        ("eagle3", {"draft_vocab": 48}, None),
-        ("mtp", {"num_modules": 2}, None),
-        ("eagle3", {"draft_vocab": 48}, AnswerStart(weight=3.0, tokens=4)),
+        ("eagle3", {"draft_vocab": 48}, None, 0.0),
+        ("mtp", {"num_modules": 2}, None, 0.0),
+        ("eagle3", {"draft_vocab": 48}, AnswerStart(weight=3.0, tokens=4), 0.0),
+        ("eagle3", {"draft_vocab": 48}, None, 0.5),
+        ("eagle3", {}, None, 1.0),
     ],
 )
-def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape, answer_start):
+def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape, answer_start, hard_label):
     """unrolled_loss (host-planned rows, the KL and its gradient in one pass over the logits) equals
     the plain autograd statement of the loss, in value, per-step figures and gradients; with the
-    answers' first tokens weighing more too."""
+    answers' first tokens weighing more too, and with labels part (0.5) or all (1: cross-entropy
+    against the target's argmax) hard."""
     cfg = TrainConfig(method=method, steps=4, max_steps=1, **shape)
     head = new_head(target, cfg, CPU)
     t2d = None
-    if method == "eagle3":
+    if "draft_vocab" in shape:
         head.draft_to_target = torch.arange(0, 96, 2)
         t2d = torch.zeros(VOCAB, dtype=torch.bool)
         t2d[head.draft_to_target] = True
@@ -273,9 +288,9 @@ def test_the_loss_and_its_gradients_are_the_plain_ones(target, method, shape, an
     # Short prompts: the last chain steps reach fewer answer positions than the first.
     batch = Batch(ids, torch.tensor([20, 17, 12]), torch.tensor([2, 5, 3]))
     params = [p for p in head.parameters() if p.requires_grad]
-    got = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d, answer_start)
+    got = unrolled_loss(head, target.model, batch, cfg.steps, cfg.decay, t2d, answer_start, hard_label)
     want, losses, agreement = reference_loss(
-        head, target.model, batch, cfg.steps, cfg.decay, t2d, answer_start
+        head, target.model, batch, cfg.steps, cfg.decay, t2d, answer_start, hard_label
     )
     torch.testing.assert_close(got.loss, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.step_losses, tuple(losses), atol=1e-6, rtol=1e-5)
@@ -472,6 +487,29 @@ def test_more_fused_layers_start_from_a_trained_head_drafting_the_same(target, d
     fewer = dataclasses.replace(more, aux_layers=old[1:])
     with pytest.raises(ValueError, match="--aux-layers must start with them"):
         train_head(target, samples, fewer, tmp_path / "fewer", **quiet)
+
+
+def test_a_deeper_head_starts_from_a_trained_head_drafting_the_same(target, data, tmp_path):
+    """`--init-from` a one-layer EAGLE-3 head with `--layers 2`: the trained layer keeps its weights and
+    the new one starts as an identity on the residual stream (its o_proj and down_proj at 0), so the
+    deeper head's outputs equal the trained head's; one step of training gives the new layer a say."""
+    _, samples = data
+    shape = dict(method="eagle3", steps=2, tokens_per_batch=512, warmup_steps=1, save_dtype="float32")
+    quiet = dict(progress_bar=False, log=lambda _: None)
+    train_head(target, samples, TrainConfig(**shape, max_steps=2), tmp_path / "first", **quiet)
+    deeper = TrainConfig(**shape, max_steps=0, layers_per_module=2, init_from=str(tmp_path / "first"))
+    train_head(target, samples, deeper, tmp_path / "deep", **quiet)
+    heads = [load_head(tmp_path / n, "eagle3", target.model, CPU, torch.float32) for n in ("first", "deep")]
+    assert heads[1].spec.layers_per_module == 2 and heads[1].spec.arch.num_layers == 2
+    seq = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    shallow, deep = (reference_step_logits(target.model, h, seq[:6], seq[6:]) for h in heads)
+    for a, b in zip(shallow, deep, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    new_layer = heads[1].step_modules[0].layers[0]
+    assert not new_layer.self_attn.o_proj.weight.any() and not new_layer.mlp.down_proj.weight.any()
+    train_head(target, samples, dataclasses.replace(deeper, max_steps=1), tmp_path / "trained", **quiet)
+    trained = load_head(tmp_path / "trained", "eagle3", target.model, CPU, torch.float32)
+    assert trained.step_modules[0].layers[0].mlp.down_proj.weight.abs().sum() > 0
 
 
 def test_an_int8_export_stores_half_the_bytes_and_loads_close_to_bf16(target, data, tmp_path):

@@ -10,8 +10,9 @@ the hidden state the previous step produced (invariant 5).
   the output goes straight to the target's lm_head.
 - EAGLE-3: fc fuses three target layers' residual streams (only on the first step; later steps
   feed the head's own pre-norm output back); one decoder layer whose attention reads
-  [input_norm(embedding); hidden_norm(hidden)]; its own final norm and a reduced-vocabulary lm_head
-  with a draft->target token map.
+  [input_norm(embedding); hidden_norm(hidden)], optionally followed by plain decoder layers over its
+  residual stream (a deeper head: `num_hidden_layers` > 1); its own final norm and a
+  reduced-vocabulary lm_head with a draft->target token map.
 - MTP (DeepSeek-V3 style): eh_proj([enorm(embedding); hnorm(hidden)]) -> a decoder layer ->
   shared_head.norm -> shared_head.head (or the target's lm_head).
 
@@ -41,7 +42,7 @@ class HeadSpec:
     method: str  # eagle | eagle3 | mtp
     arch: ModelArch  # decoder-layer shape; vocab_size is the target's
     num_modules: int = 1  # MTP: the chain length k
-    layers_per_module: int = 1  # EAGLE heads may stack several decoder layers
+    layers_per_module: int = 1  # EAGLE and EAGLE-3 heads may stack several decoder layers
     draft_vocab_size: int | None = None  # EAGLE-3's reduced lm_head (None: the full vocabulary)
     aux_layers: tuple[int, ...] = ()  # EAGLE-3: target layers whose outputs the fc fuses
     fc_bias: bool = False
@@ -110,6 +111,10 @@ class Eagle3Module(nn.Module):
         arch = spec.arch
         self.fc = nn.Linear(len(spec.aux_layers) * target_hidden, arch.hidden_size, bias=spec.fc_bias)
         self.midlayer = Eagle3Layer(arch, first_layer)
+        # A deeper head's further layers (checkpoint names `layers.1.*` on: `midlayer` is layer 0).
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, first_layer + i) for i in range(1, spec.layers_per_module)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, emb, hidden, positions, rope, ctx, from_target: bool):
@@ -118,6 +123,8 @@ class Eagle3Module(nn.Module):
             fc = self.fc
             hidden = ctx.fused_linear(hidden, fc.weight, bias=fc.bias) if fused else fc(hidden)
         x = self.midlayer(emb, hidden, positions, rope, ctx)
+        for layer in self.layers:
+            x = layer.forward_stream(x, positions, rope, ctx) if fused else layer(x, positions, rope, ctx)
         return x, ctx.add_rms_norm(x, None, self.norm.weight, self.norm.eps)[0] if fused else self.norm(x)
 
 

@@ -126,8 +126,12 @@ def head_spec(method: str, cfg: dict, names: set[str], target: ModelArch) -> Hea
 
 
 def _eagle3_spec(cfg: dict, plain: set[str], arch: ModelArch, target: ModelArch) -> HeadSpec:
-    if arch.num_layers != 1:
-        raise ValueError("speculative.draft_model: EAGLE-3 heads with more than one layer are not supported")
+    deeper = {int(n.split(".")[1]) for n in plain if re.match(r"layers\.\d+\.", n)}
+    if deeper != set(range(1, arch.num_layers)):
+        raise ValueError(
+            f"speculative.draft_model: an EAGLE-3 head of num_hidden_layers {arch.num_layers} stores "
+            f"midlayer.* and layers.1.* to layers.{arch.num_layers - 1}.*, not layers {sorted(deeper)}"
+        )
     eagle_cfg = cfg.get("eagle_config") or {}
     aux = eagle_cfg.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(target.num_layers)
     if any(not 0 <= i < target.num_layers for i in aux):
@@ -139,6 +143,7 @@ def _eagle3_spec(cfg: dict, plain: set[str], arch: ModelArch, target: ModelArch)
     return HeadSpec(
         "eagle3",
         arch,
+        layers_per_module=arch.num_layers,
         draft_vocab_size=draft_vocab if draft_vocab != target.vocab_size else None,
         aux_layers=tuple(int(i) for i in aux),
         fc_bias="fc.bias" in plain,
@@ -188,14 +193,23 @@ def _param_tensors(
             if plain == "d2t":
                 d2t = tensor
                 continue
-            param = None if plain == "t2d" else _plain_param_name(plain)
+            param = None if plain == "t2d" else _plain_param_name(plain, spec.method)
         if param is not None:
             tensors[param] = tensor
     return tensors, d2t
 
 
-def _plain_param_name(name: str) -> str:
-    return name if name.startswith(("embed_tokens.", "lm_head.")) else f"step_modules.0.{name}"
+def _plain_param_name(name: str, method: str) -> str:
+    if name.startswith(("embed_tokens.", "lm_head.")):
+        return name
+    return f"step_modules.0.{_shift_eagle3_layer(name, -1) if method == 'eagle3' else name}"
+
+
+def _shift_eagle3_layer(name: str, by: int) -> str:
+    """An EAGLE-3 head's further layers are `layers.1.*` on in a checkpoint (its `midlayer` is layer 0,
+    as deeper EAGLE-3 checkpoints number them) and `layers.0.*` on in the module."""
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    return name if match is None else f"layers.{int(match[1]) + by}.{match[2]}"
 
 
 def _mtp_param_name(name: str, first: int, k: int) -> str | None:
@@ -302,7 +316,7 @@ def new_head_spec(
         method,
         arch,
         num_modules=num_modules if method == "mtp" else 1,
-        layers_per_module=layers_per_module if method == "eagle" else 1,
+        layers_per_module=layers_per_module if method in ("eagle", "eagle3") else 1,
         draft_vocab_size=draft_vocab_size if reduced else None,
         aux_layers=_aux_layers(method, target, aux_layers),
         fc_bias=method == "eagle",
@@ -443,7 +457,7 @@ def save_head(
 
 
 def _head_arch(method: str, target: ModelArch, layers: int, modules: int) -> ModelArch:
-    count = {"eagle": layers, "eagle3": 1, "mtp": modules}[method]
+    count = {"eagle": layers, "eagle3": layers, "mtp": modules}[method]
     # A head's layers are Llama layers whatever the target (a hybrid's recurrent layout stays behind).
     plain = dict(attention_layers=None, mamba=None, rotary_dim=None)
     return replace(target, num_layers=count, tie_word_embeddings=False, attention_bias=False, **plain)
@@ -465,6 +479,8 @@ def _checkpoint_tensors(head: DraftHead, target_layers: int) -> dict[str, torch.
 
 
 def _checkpoint_name(spec: HeadSpec, param: str, target_layers: int) -> str:
+    if spec.method == "eagle3":
+        return _shift_eagle3_layer(param.removeprefix("step_modules.0."), 1)
     if spec.method != "mtp":
         return param.removeprefix("step_modules.0.")
     if param.startswith("embed_tokens."):

@@ -118,6 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "where a one-layer head agrees least with the target, and where MT-Bench measures it",
     )
     train.add_argument("--start-tokens", type=int, default=128, help="see --start-weight")
+    train.add_argument(
+        "--hard-label",
+        type=float,
+        default=0.0,
+        help="share of the target's argmax mixed into the soft labels, 0..1 (1: cross-entropy against "
+        "it): greedy acceptance counts only the argmax (default: 0, pure distillation)",
+    )
     train.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW; default: 3e-4)")
     train.add_argument("--warmup-steps", type=count(0), default=50, help="linear warm-up steps (default: 50)")
     train.add_argument(
@@ -132,7 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--tokens-per-batch", type=int, default=32768, help="padded tokens per batch")
     train.add_argument("--max-len", type=int, default=2048, help="tokens kept of each sample")
     train.add_argument("--num-modules", type=int, default=2, help="mtp: layers in the chain")
-    train.add_argument("--layers", type=int, default=1, help="eagle: decoder layers of the head")
+    train.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="eagle, eagle3: decoder layers of the head (with --init-from a shallower eagle3 head, the "
+        "new layers start as identities: the run starts from its drafts exactly)",
+    )
     train.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width")
     train.add_argument(
         "--aux-layers",
@@ -355,7 +368,7 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
     cfg = TrainConfig(
         method=args.method,
         num_modules=args.num_modules if args.method == "mtp" else 1,
-        layers_per_module=args.layers if args.method == "eagle" else 1,
+        layers_per_module=args.layers if args.method in ("eagle", "eagle3") else 1,
         intermediate_size=args.intermediate_size,
         aux_layers=args.aux_layers if args.method == "eagle3" else None,
         draft_vocab=args.draft_vocab if args.method == "eagle3" else None,
@@ -363,6 +376,7 @@ def _train_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         decay=args.loss_decay,
         start_weight=args.start_weight,
         start_tokens=args.start_tokens,
+        hard_label=args.hard_label,
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         min_lr_ratio=args.min_lr_ratio,

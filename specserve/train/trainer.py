@@ -38,13 +38,14 @@ from specserve.train.unroll import AnswerStart, unrolled_loss
 class TrainConfig:
     method: str = "eagle3"
     num_modules: int = 1  # MTP chain length k
-    layers_per_module: int = 1  # EAGLE-1 decoder layers
+    layers_per_module: int = 1  # EAGLE-1 / EAGLE-3 decoder layers
     intermediate_size: int | None = None  # the head's MLP width (None: the target's)
     draft_vocab: int | None = None  # EAGLE-3 reduced vocabulary (None: the target's lm_head)
     steps: int = 6  # chain steps unrolled per batch
     decay: float = 0.8  # step s's loss weighs decay**s
     start_weight: float = 1.0  # rows of an answer's first start_tokens weigh this (`AnswerStart`)
     start_tokens: int = 128
+    hard_label: float = 0.0  # the target argmax's share in the labels (`unroll.sharpened`)
     lr: float = 3e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -67,6 +68,8 @@ class TrainConfig:
             raise ValueError("train: give max_steps or max_minutes (or both)")
         if not self.start_weight > 0 or self.start_tokens < 0:
             raise ValueError("train: start_weight must be > 0 and start_tokens >= 0")
+        if not 0.0 <= self.hard_label <= 1.0:
+            raise ValueError("train: hard_label must be in [0, 1]")
 
     def recipe(self, target: str) -> dict:
         return {**dataclasses.asdict(self), "target": target}
@@ -177,7 +180,9 @@ def train_head(
             group["lr"] = cfg.lr * _lr_factor(cfg, done)
         with _profiled(done.step, log):
             with autocast:
-                result = unrolled_loss(head, target, batch, cfg.steps, cfg.decay, t2d, answer_start)
+                result = unrolled_loss(
+                    head, target, batch, cfg.steps, cfg.decay, t2d, answer_start, cfg.hard_label
+                )
             optimizer.zero_grad(set_to_none=True)
             result.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -216,7 +221,8 @@ def _initialise_from(
 ) -> torch.Tensor | None:
     """Copy a trained head's weights into `head` (a new schedule and optimizer: more training of a
     head whose run's state is gone, e.g. made on a machine since given back). Its shape must be
-    the recipe's, but for a wider MLP (`_widened`); a reduced vocabulary comes with it. Returns
+    the recipe's, but for a wider MLP (`_widened`), more fused target layers (`_refeatured`) or more
+    EAGLE-3 layers (`_deepened`); a reduced vocabulary comes with it. Returns
     the head's draft ids, if reduced."""
     from specserve.model.head_checkpoint import load_head
 
@@ -224,6 +230,7 @@ def _initialise_from(
     mine = head.state_dict()
     theirs = _widened(trained.state_dict(), mine)
     theirs = _refeatured(theirs, trained.spec.aux_layers, head.spec.aux_layers, cfg.init_from)
+    theirs = _deepened(theirs, mine)
     wrong = sorted(n for n in mine if n not in theirs or theirs[n].shape != mine[n].shape)
     if wrong or set(theirs) - set(mine):
         raise ValueError(
@@ -271,6 +278,21 @@ def _refeatured(
     fc = theirs[name]
     added = fc.new_zeros(fc.shape[0], fc.shape[1] // len(old) * (len(new) - len(old)))
     return {**theirs, name: torch.cat([fc, added], dim=1)}
+
+
+def _deepened(theirs: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 head given further decoder layers without changing what it computes: each new
+    layer keeps `mine`'s fresh weights but for its two output projections (attention's o_proj and
+    the MLP's down_proj), which start at 0, so the layer adds nothing to the residual stream and
+    the head drafts exactly as before. Those projections get gradients at once (their inputs are
+    not 0), then the rest of the layer: depth for a head whose first draft stopped improving with
+    more data and a wider MLP."""
+    prefix = next((n.split("midlayer.")[0] for n in theirs if "midlayer." in n), None)
+    if prefix is None:
+        return theirs
+    new = {n: t for n, t in mine.items() if n.startswith(f"{prefix}layers.") and n not in theirs}
+    zeroed = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+    return {**theirs, **{n: torch.zeros_like(t) if n.endswith(zeroed) else t.clone() for n, t in new.items()}}
 
 
 def _grows(old: torch.Size, new: torch.Size) -> bool:

@@ -99,11 +99,13 @@ def target_pass(
     capture: tuple[int, ...],
     draft_to_target: torch.Tensor | None = None,
     t2d: torch.Tensor | None = None,
+    hard_label: float = 0.0,
 ) -> TargetPass:
     """The target's features at every position and its distribution where they are labels. With a
     reduced draft vocabulary (`draft_to_target`, `t2d`) the distribution is renormalised over it, and
-    `label_keep` marks the rows whose argmax it contains. Done once per batch: every chain step
-    scores a shifted subset of these rows."""
+    `label_keep` marks the rows whose argmax it contains. `hard_label` h: the labels are
+    (1 - h) p + h onehot(argmax p) (`sharpened`). Done once per batch: every chain step scores a
+    shifted subset of these rows."""
     bsz, seq = batch.ids.shape
     device = batch.ids.device
     rows, positions, answer = label_positions(
@@ -122,9 +124,12 @@ def target_pass(
         logits = logits[:, draft_to_target]
     logp = logits.log_softmax(-1)  # fp32 (compute_logits)
     del logits
-    probs = logp.exp()
-    negentropy = (probs * logp).sum(-1)
     argmax = logp.argmax(-1)
+    if hard_label:
+        probs, negentropy = sharpened(logp.exp_(), argmax, hard_label)
+    else:
+        probs = logp.exp()
+        negentropy = (probs * logp).sum(-1)
     del logp
     features = (hidden if aux is None else aux).view(bsz, seq, -1)
     # features is an inference-mode tensor, which autograd may not save (the head's first matmul
@@ -132,6 +137,21 @@ def target_pass(
     return TargetPass(
         features.clone(), label_rows, label_positions_, probs, negentropy, argmax, keep, label_answer
     )
+
+
+def sharpened(probs: torch.Tensor, argmax: torch.Tensor, share: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1 - share) p + share onehot(argmax), in place over `probs` [N, V], and its sum p log p. A
+    greedy verify accepts a draft only where it is the target's argmax: where the target is unsure
+    (its argmax well under 1), the soft labels spend a small head's capacity on the runners-up, and
+    `share` moves that weight onto the one token that decides acceptance (1: cross-entropy against
+    the argmax). Sampled acceptance is the overlap of the two distributions, which this trades away."""
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    probs.mul_(1.0 - share).index_put_(
+        (rows, argmax), torch.tensor(share, device=probs.device), accumulate=True
+    )
+    # x log x -> 0 at x = 0: zero entries (the argmax alone at share 1) add nothing
+    negentropy = torch.special.xlogy(probs, probs).sum(-1)
+    return probs, negentropy
 
 
 def step_offset(step: int, modules: int) -> int:
@@ -180,10 +200,12 @@ def unrolled_loss(
     decay: float,
     t2d: torch.Tensor | None = None,
     answer_start: AnswerStart | None = None,
+    hard_label: float = 0.0,
 ) -> StepResult:
     """The weighted loss of one batch (`t2d`: [V] bool, the reduced draft vocabulary, if any;
-    `answer_start`: how much more the first tokens of each answer weigh)."""
-    tp = target_pass(target, batch, head.spec.aux_layers, head.draft_to_target, t2d)
+    `answer_start`: how much more the first tokens of each answer weigh; `hard_label`: the share of
+    the target's argmax in the labels, `sharpened`)."""
+    tp = target_pass(target, batch, head.spec.aux_layers, head.draft_to_target, t2d, hard_label)
     if tp.label_rows.numel() == 0:
         raise ValueError("batch: no answer position to score (every sample is prompt only)")
     rows, weights = _step_rows(tp, max(steps, len(head.step_modules)), len(head.step_modules), answer_start)
