@@ -38,7 +38,7 @@ boundary are unknown and taken as zero: that costs acceptance, never correctness
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,17 +79,27 @@ class HeadState:
         return self.token if self.token is not None else self.seeds.host()[self.seed_row]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Backlog:
-    """Target features of positions `start ...` the head has not extended over, and their next tokens."""
+    """Target features of positions `start ...` the head has not extended over, and their next tokens.
+    Grown in place by every plain step (`add`): it is host work on each of them, for every request."""
 
     start: int
     tokens: list[int]
-    features: torch.Tensor  # [len(tokens), F]
+    chunks: list[tuple[torch.Tensor, int, int]]  # rows [a, b) of a step's kept features, in order
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    def add(self, tokens: Sequence[int], kept: torch.Tensor, a: int, b: int) -> None:
+        self.tokens.extend(tokens)
+        self.chunks.append((kept, a, b))
+
+    def features(self) -> list[torch.Tensor]:
+        """[n_i, F] parts, [len(tokens), F] together (sliced only now: a view per step and request
+        was most of the host work the backlog took)."""
+        return [kept[a:b] for kept, a, b in self.chunks]
 
 
 class HeadDrafter(Drafter):
@@ -129,7 +139,7 @@ class HeadDrafter(Drafter):
     # ---- draft extend ----------------------------------------------------------------------
 
     def skip_target(self, feeds: list[TargetFeed], features: torch.Tensor) -> None:
-        now = []
+        now, keep = [], []
         for f in feeds:
             if not f.tokens:
                 continue
@@ -137,13 +147,23 @@ class HeadDrafter(Drafter):
             joined = old is not None and old.end == f.start
             if len(f.tokens) + (len(old.tokens) if joined else 0) > MAX_BACKLOG:
                 now.append(f)  # extended now, its backlog with it
-                continue
-            kept = features.index_select(0, torch.as_tensor(list(f.rows), device=features.device))
-            f.request.draft_backlog = (
-                Backlog(old.start, old.tokens + f.tokens, torch.cat([old.features, kept]))
-                if joined
-                else Backlog(f.start, list(f.tokens), kept)
-            )
+            else:
+                keep.append((f, old if joined else None))
+        if keep:
+            # One copy of the rows and one gather for the whole batch, each request keeping the span
+            # of its part (`Backlog.add`): per request (a pageable copy of its rows, a gather, a concatenation with its
+            # backlog) they were host work linear in the batch on every plain step of adaptive
+            # speculation with a head (docs/benchmarks.md, nineteenth session).
+            rows = torch.tensor([r for f, _ in keep for r in f.rows])
+            kept = features.index_select(0, to_device(rows, features.device))
+            offset = 0
+            for f, old in keep:
+                end = offset + len(f.rows)
+                if old is not None:
+                    old.add(f.tokens, kept, offset, end)
+                else:
+                    f.request.draft_backlog = Backlog(f.start, list(f.tokens), [(kept, offset, end)])
+                offset = end
         if now:
             self.after_target(now, features)
 
@@ -174,7 +194,7 @@ class HeadDrafter(Drafter):
                 out.append(f)
                 continue
             rows = [*range(offset, offset + len(backlog.tokens)), *f.rows]
-            parts.append(backlog.features)
+            parts.extend(backlog.features())
             offset += len(backlog.tokens)
             tokens = backlog.tokens + list(f.tokens)
             out.append(TargetFeed(f.request, backlog.start, tokens, rows, f.seed, f.next_output))
