@@ -17,6 +17,11 @@ import torch
 # triton: helpers inside triton.language are jitted at import time, in whichever mode is set then.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpret import skip_nested_lang_patches
+
+    # A third of an interpreted kernel's time went to re-patching triton.language at every helper call.
+    skip_nested_lang_patches()
 # Every kernel launch the engine makes asserts its indices in bounds (specserve_kernels.check_indices).
 os.environ.setdefault("SPECSERVE_CHECK_INDICES", "1")
 

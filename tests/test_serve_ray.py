@@ -236,6 +236,7 @@ def test_overload_gets_429_or_503_with_retry_after(cluster, tiny_folder):
     assert httpx.post(f"{url}/generate", json=payload, timeout=300).status_code == 200
     _kv_clean("small")
     serve.delete("small")
+    kill_hub("small")  # detached: it outlives the app, idle for the rest of the module
 
 
 def _scrape(url: str) -> dict[str, list]:
@@ -350,6 +351,7 @@ def test_autoscaling_follows_engine_load(cluster, tiny_folder):
         assert time.monotonic() < deadline, "the engine never scaled back to one replica"
         time.sleep(1.0)
     serve.delete("auto")
+    kill_hub("auto")
 
 
 def test_metrics_and_models_endpoints(smollm2_apps):
@@ -403,3 +405,4 @@ def test_bounded_load_gets_an_answer_for_every_request(cluster, tiny_folder, mtb
     assert handle.health.remote().result(timeout_s=60)["num_running"] == 0
     _kv_clean("load")
     serve.delete("load")
+    kill_hub("load")
