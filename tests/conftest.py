@@ -29,7 +29,7 @@ _ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
 RAY_FIXTURE = "ray_serve_url"
-_LAST_RAY_TEST = pytest.StashKey[str]()
+_LAST_RAY_TEST = pytest.StashKey[pytest.Item]()
 
 
 # Modules that run Ray (the shared instance, or `specserve serve` starting its own): under xdist they
@@ -40,8 +40,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# tryfirst: xdist's own hook turns each item's `xdist_group` marker into its node id's `@group` suffix,
+# the only thing `--dist loadgroup` reads; run after it, as it did, the markers came too late and every
+# test was scheduled on its own (the Ray modules on both workers, two Ray instances at once).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    ray_tests = [item.nodeid for item in items if RAY_FIXTURE in getattr(item, "fixturenames", ())]
+    ray_tests = [item for item in items if RAY_FIXTURE in getattr(item, "fixturenames", ())]
     if ray_tests:
         config.stash[_LAST_RAY_TEST] = ray_tests[-1]
     if config.pluginmanager.hasplugin("xdist"):  # `--dist loadgroup`: a module stays on one worker
@@ -61,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_teardown(item, nextitem):
     """Stop the shared Ray instance after the last test that uses it, not at the end of the session:
     idle, it would still cost the rest of the suite CPU and memory."""
-    if item.nodeid == item.config.stash.get(_LAST_RAY_TEST, None):
+    if item is item.config.stash.get(_LAST_RAY_TEST, None):  # the item: xdist renames its node id
         _stop_ray()
 
 
