@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from specserve.model.arch import ModelArch, arch_from_gguf
+from specserve.model.arch import ModelArch
+from specserve.model.gguf_header import read_header
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,15 +32,17 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def load_gguf(path: str | Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    """Dequantise every tensor of a GGUF to float32, named and laid out as in HF transformers."""
-    reader = gguf.GGUFReader(path)
-    arch = arch_from_gguf(reader)
+    """Dequantise every tensor of a GGUF to float32, named and laid out as in HF transformers (the
+    header parsed once per file, `gguf_header`)."""
+    header = read_header(path)
+    arch = header.arch
     # Only llama.cpp's llama converter interleaves q/k rows for its rope; qwen2's does not.
-    permuted = reader.fields["general.architecture"].contents() == "llama"
+    permuted = header.architecture == "llama"
+    file = np.memmap(path, mode="r")
     tensors = {}
-    for t in reader.tensors:
+    for t in header.tensors:
         name = hf_name(t.name)
-        weight = torch.from_numpy(_to_float32(dequantize(t.data, t.tensor_type)))
+        weight = torch.from_numpy(_to_float32(dequantize(t.data(file), t.tensor_type)))
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_rope_rows(weight, arch.num_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -257,9 +257,13 @@ def row_projection(columns: range, full_columns: int, out_features: int, tp: TPI
 
 
 def embedding(vocab_size: int, hidden: int, tp: TPInfo) -> nn.Embedding:
-    return (
-        nn.Embedding(vocab_size, hidden) if tp.size == 1 else VocabParallelEmbedding(vocab_size, hidden, tp)
-    )
+    if tp.size > 1:
+        return VocabParallelEmbedding(vocab_size, hidden, tp)
+    if torch.get_default_device().type == "meta":
+        # Built to be loaded (`build_model`): no init, whose normal_ on meta tensors cost ~2.3 s the
+        # first time in a process (every server replica and test worker loading a model).
+        return nn.Embedding(vocab_size, hidden, _weight=torch.empty(vocab_size, hidden))
+    return nn.Embedding(vocab_size, hidden)
 
 
 def lm_head(hidden: int, vocab_size: int, tp: TPInfo) -> nn.Linear:
