@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -190,6 +191,22 @@ def test_the_least_temperatures_and_top_p_draw_the_likeliest_token(row: Sampling
     for i in range(4):
         want = filtered_probs_ref(logits[i], rows[i])
         assert torch.allclose(probs[i].double(), want, atol=1e-6)
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token() -> None:
+    """The API admits any top_k below 2**63: one past the vocabulary filters nothing (the same
+    probabilities, to float rounding, and the same draws as no top_k), and one near 2**63 packs
+    without overflowing the cast."""
+    logits = _logits(3, 50, scale=3.0)
+    plain = [dataclasses.replace(PLAIN, seed=s) for s in range(3)]
+    for k in (50, 51, 2**40, 2**63 - 1):
+        rows = [dataclasses.replace(r, top_k=k) for r in plain]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy's "invalid value encountered in cast"
+            batch = SamplingBatch.build(rows, CPU)
+        unfiltered = filtered_probs(logits, SamplingBatch.build(plain, CPU))
+        torch.testing.assert_close(filtered_probs(logits, batch), unfiltered, atol=1e-7, rtol=1e-5)
+        assert torch.equal(_sample_rows(logits, rows), _sample_rows(logits, plain))
 
 
 def test_top_p_tie_at_the_boundary_keeps_the_lower_id() -> None:

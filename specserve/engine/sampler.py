@@ -110,7 +110,9 @@ class SamplingBatch:
         floats = buffer[32 * n :].view(np.float32).reshape(3, n)
         # temperature, top_p, min_p; a temperature past float32's range is its largest (uniform anyway)
         floats[:] = np.minimum(params[[0, 2, 3]], np.finfo(np.float32).max)
-        ints[0] = params[1]  # top_k: small integers, exact in float64
+        # top_k: exact in float64 up to 2**53; a k past any vocabulary keeps every token, as 2**31
+        # does (a k near 2**63, which the API admits, would overflow the cast)
+        ints[0] = np.minimum(params[1], 2.0**31)
         ints[1], ints[2] = seeds, counters
         ints[3] = _row_keys(seeds, counters)
         sampled = floats[0] > 0  # greedy rows ignore the filters

@@ -144,7 +144,8 @@ def sharpened(probs: torch.Tensor, argmax: torch.Tensor, share: float) -> tuple[
     greedy verify accepts a draft only where it is the target's argmax: where the target is unsure
     (its argmax well under 1), the soft labels spend a small head's capacity on the runners-up, and
     `share` moves that weight onto the one token that decides acceptance (1: cross-entropy against
-    the argmax). Sampled acceptance is the overlap of the two distributions, which this trades away."""
+    the argmax). Sampled acceptance is the overlap of the two distributions, which this trades away.
+    Measured on the shipped head: no gain on MT-Bench (docs/draft-training.md, nineteenth session)."""
     rows = torch.arange(probs.shape[0], device=probs.device)
     probs.mul_(1.0 - share).index_put_(
         (rows, argmax), torch.tensor(share, device=probs.device), accumulate=True
