@@ -139,16 +139,27 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _stat_key(path: Path) -> dict[str, int]:
+def stat_key(path: Path) -> dict[str, int]:
+    """What says a file has not changed since a record of it was made: its size and mtime."""
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def write_record(path: Path, text: str) -> None:
+    """Best effort, atomically (a temporary file renamed): a concurrent reader sees the whole record
+    or none; where the cache is not writable, the record is simply missing next time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def _read_cached_digest(path: Path) -> str | None:
     """The digest recorded for `path`, if the file has not changed since it was recorded."""
     try:
         record = json.loads(_sidecar(path).read_text())
-        if {"size": record.get("size"), "mtime_ns": record.get("mtime_ns")} == _stat_key(path):
+        if {"size": record.get("size"), "mtime_ns": record.get("mtime_ns")} == stat_key(path):
             return str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -156,12 +167,8 @@ def _read_cached_digest(path: Path) -> str | None:
 
 
 def _write_cached_digest(path: Path, digest: str) -> None:
-    # Best effort: a missing sidecar only costs a rehash next time.
-    record = json.dumps({**_stat_key(path), "sha256": digest})
-    tmp = _sidecar(path).with_name(f".{_sidecar(path).name}.{os.getpid()}.tmp")
-    with contextlib.suppress(OSError):
-        tmp.write_text(record)
-        os.replace(tmp, _sidecar(path))
+    # A missing sidecar only costs a rehash next time.
+    write_record(_sidecar(path), json.dumps({**stat_key(path), "sha256": digest}))
 
 
 def _digest_of(path: Path) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from specserve.assets import cache_dir
+from specserve.assets import cache_dir, stat_key, write_record
 from specserve.model.arch import ModelArch, RopeScaling, arch_from_gguf
 
 # Bumped when what is stored changes: entries of another version are parsed afresh.
@@ -67,7 +66,7 @@ def read_header(path: str | Path) -> GgufHeader:
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged or foreign entry: parse afresh and replace it
     header = parse_header(path)
-    _store(entry, _encode(header))
+    write_record(entry, json.dumps(_encode(header)))  # read-only cache: the next load parses again
     return header
 
 
@@ -88,20 +87,9 @@ def parse_header(path: str | Path) -> GgufHeader:
 
 
 def _entry(path: Path) -> Path:
-    stat = path.stat()
-    key = f"{FORMAT}:{version('gguf')}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    stat = stat_key(path)
+    key = f"{FORMAT}:{version('gguf')}:{path}:{stat['size']}:{stat['mtime_ns']}"
     return cache_dir() / "gguf-headers" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-
-
-def _store(entry: Path, payload: dict) -> None:
-    """Written to a temporary file and renamed: a concurrent reader sees the whole entry or none."""
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, entry)
-    except OSError:
-        pass  # a read-only cache: the next load parses again
 
 
 def _encode(header: GgufHeader) -> dict:
