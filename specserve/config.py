@@ -85,6 +85,17 @@ MAX_TOPK = 16
 MAX_DRAFT_TOKENS = 256
 
 
+# How much better a tier must score to replace the standing one, by drafter. A head's acceptance
+# drifts smoothly, and the noise of its estimates (one request's last ~10 verifies at batch 1) made
+# challengers: 52-81 switches over 16 prompts at batch 1 on the H200 (0.968-0.978x the static
+# 3-chain) at 0.05, 26 at 0.15 (0.985-0.991x); over three A/Bs 0.15 was ahead at every batch on
+# average (docs/benchmarks.md, twentieth session). An n-gram draft is copied text or nothing, and
+# copying stretches come and go: 0.15 answered them late (`scripts/adaptive_sim.py`, MT-Bench
+# batch 4 / 16: 3-7% worse), so n-gram keeps 0.05.
+MODEL_HYSTERESIS = 0.15
+NGRAM_HYSTERESIS = 0.05
+
+
 @dataclass(frozen=True)
 class AdaptiveConfig:
     """Adaptive speculation (`specserve/spec/adaptive.py`): each step runs the tier of most predicted
@@ -96,10 +107,11 @@ class AdaptiveConfig:
     lookups a step scored while off (`specserve/spec/shadow.py`; 0: none, probes alone);
     `calibration_fade`: how fast each tier's correction by its measured steps forgets, per step of
     the tier (`specserve/spec/calibration.py`; None: predictions uncorrected); `drain_strength`: the
-    pool's weight in a request's rates where the drain forecasts its end (None: `prior_strength`)."""
+    pool's weight in a request's rates where the drain forecasts its end (None: `prior_strength`);
+    `hysteresis` None: `MODEL_HYSTERESIS` with a model drafter, `NGRAM_HYSTERESIS` with n-gram."""
 
     tiers: tuple[tuple[int, int, int], ...] | None = None
-    hysteresis: float = 0.05
+    hysteresis: float | None = None
     patience: int = 3
     probe_every: int = 32
     min_reach: float = 0.05
@@ -115,12 +127,19 @@ class AdaptiveConfig:
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
-        for field_name in ("hysteresis", "min_reach", "request_alpha", "pooled_alpha", "prior"):
+        _require(
+            self.hysteresis is None or _is_number(self.hysteresis),
+            f"{name}.hysteresis",
+            "must be a number or null",
+        )
+        for field_name in ("min_reach", "request_alpha", "pooled_alpha", "prior"):
             value = getattr(self, field_name)
             _require(_is_number(value), f"{name}.{field_name}", "must be a number")
         for field_name in ("prior_strength", "cost_alpha"):
             _require(_is_number(getattr(self, field_name)), f"{name}.{field_name}", "must be a number")
-        _require(0 <= self.hysteresis <= 10, f"{name}.hysteresis", "must be in [0, 10]")
+        _require(
+            self.hysteresis is None or 0 <= self.hysteresis <= 10, f"{name}.hysteresis", "must be in [0, 10]"
+        )
         for field_name in ("patience", "probe_every"):
             value = getattr(self, field_name)
             _require(

@@ -378,6 +378,27 @@ def test_residual_starts_at_the_first_gap_and_grows_with_the_batch():
     assert c.estimate(VERIFY, 64, 1) == pytest.approx(4.4 * MS)
 
 
+def test_a_loop_width_takes_no_residual_of_synchronous_steps():
+    """A head's plain steps run synchronously, priced as one-token verifies: at batch 64 on the H100
+    they cost 8.7 ms against a 1.7 ms profile, and that 7 ms residual was added to every chain's
+    price, though their steps run in the device loop with no host work between forwards (priced
+    8.2-9.2 ms where they cost 1.8-2.7). A loop width is its profile and its loop gap; a width run
+    synchronously keeps the residual."""
+    c = StepCosts(alpha=0.2)
+    c.profile(VERIFY, [(64, q) for q in (1, 3, 4)], lambda b, q: (1.7 + 0.1 * q) * MS)
+    for _ in range(MIN_SAMPLES):
+        c.observe(VERIFY, 64, 1, 8.8 * MS)
+    assert c.residual(VERIFY, 64) == pytest.approx(7.0 * MS)
+    assert c.estimate(VERIFY, 64, 4) == pytest.approx(9.1 * MS)  # not known to loop: as before
+    c.loop_widths[VERIFY] = frozenset({3, 4})
+    assert c.estimate(VERIFY, 64, 4) == pytest.approx(2.1 * MS)  # not run yet: its profile
+    for _ in range(MIN_SAMPLES):
+        c.observe(VERIFY, 64, 3, 2.2 * MS, rows=True, context=200.0)
+    c.context = 200.0
+    assert c.estimate(VERIFY, 64, 3) == pytest.approx(2.2 * MS)  # its loop steps
+    assert c.estimate(VERIFY, 64, 1) == pytest.approx(8.8 * MS)  # synchronous: with the residual
+
+
 def test_plain_step_cost_borrows_the_profile_shape_not_the_batch_ratio():
     """An overlapped plain step is measured live only. Before one ran, it costs the device pass (its
     host work hides); past the batches measured, the nearest one plus what the profile adds."""

@@ -557,9 +557,27 @@ def test_adaptive_settings_from_every_edge(target):
 
 
 @pytest.mark.parametrize(
+    ("method", "given", "used"),
+    [("ngram", None, 0.05), ("eagle3", None, 0.15), ("standalone", None, 0.15), ("eagle3", 0.02, 0.02)],
+)
+def test_hysteresis_defaults_by_drafter(method, given, used):
+    """Left out (null), the policy's hysteresis is the drafter's: 0.05 for n-gram's copying
+    stretches, 0.15 for a model drafter's noisy, smoothly drifting estimates; a given one stands."""
+    from specserve.engine.adaptive_control import AdaptiveSpeculation
+    from specserve.serve.config import ServeConfig
+
+    adaptive = {"profile": False} if given is None else {"profile": False, "hysteresis": given}
+    spec = SpeculativeConfig.from_value({"method": method, "num_steps": 4, "adaptive": adaptive})
+    assert AdaptiveSpeculation(spec).policy.hysteresis == used
+    served = ServeConfig(device="cpu", speculative={"method": "ngram", "num_steps": 4, "adaptive": adaptive})
+    assert served.speculative["adaptive"].get("hysteresis") == given
+
+
+@pytest.mark.parametrize(
     ("adaptive", "field"),
     [
         ({"hysteresis": -1}, "hysteresis"),
+        ({"hysteresis": "some"}, "hysteresis"),
         ({"patience": 0}, "patience"),
         ({"probe_every": 1.5}, "probe_every"),
         ({"min_reach": 1}, "min_reach"),

@@ -43,7 +43,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.config import SpeculativeConfig
+from specserve.config import MODEL_HYSTERESIS, NGRAM_HYSTERESIS, SpeculativeConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings, StepStats
@@ -101,7 +101,7 @@ class AdaptiveSpeculation:
             self.tiers,
             self.costs,
             self.acceptance,
-            hysteresis=config.hysteresis,
+            hysteresis=adaptive_hysteresis(spec),
             patience=config.patience,
             min_reach=config.min_reach,
             probe_every=config.probe_every,
@@ -117,7 +117,7 @@ class AdaptiveSpeculation:
         # Chain lengths the engine runs in a device loop: their prices come from loop steps only
         # (profiled, then `observe_loop`), never from the same tier run synchronously, which a
         # head's chain pays ~1 ms of host drafting for at batch 1 (the loop: nothing extra).
-        self.looped_chains: frozenset[int] = frozenset()
+        self._looped_chains: frozenset[int] = frozenset()
         self.predicted_goodput = 0.0
         # tier -> the goodput its last standing decision predicted: a device loop's run is settled a
         # step after it was launched, by when the policy may be elsewhere. 0 (no correction) where
@@ -150,6 +150,16 @@ class AdaptiveSpeculation:
         chains = [t.num_steps for t in self.tiers if t.topk == 1 and not t.off]
         self._outcomes = ChainOutcomes(chains) if self.policy.calibration is not None and chains else None
         self._contexts: dict[int, float] = {}  # batch -> its requests' mean context at its last decision
+
+    @property
+    def looped_chains(self) -> frozenset[int]:
+        return self._looped_chains
+
+    @looped_chains.setter
+    def looped_chains(self, chains: frozenset[int]) -> None:
+        """The engine's loop chains; their verify widths take no synchronous steps' residual."""
+        self._looped_chains = frozenset(chains)
+        self.costs.loop_widths[VERIFY] = frozenset(n + 1 for n in self._looped_chains)
 
     def use_shadow(self, lookup: Lookup) -> None:
         """The drafter is an n-gram lookup (host work): while off, score what it would have drafted
@@ -442,3 +452,11 @@ class AdaptiveSpeculation:
     def fill(self, stats: StepStats) -> None:
         stats.predicted_goodput = self.predicted_goodput
         stats.measured_goodput = self.policy.measured_goodput
+
+
+def adaptive_hysteresis(spec: SpeculativeConfig) -> float:
+    """`speculative.adaptive.hysteresis`, or the drafter's default where it is null."""
+    given = spec.adaptive.hysteresis if spec.adaptive is not None else None
+    if given is not None:
+        return given
+    return NGRAM_HYSTERESIS if spec.method == "ngram" else MODEL_HYSTERESIS

@@ -109,11 +109,13 @@ class AdaptiveSettings(BaseModel):
         "the configured num_steps / topk / num_draft_tokens. Default: off, chains of 1, 2, 4, ... up to "
         "num_steps, and the configured tree when topk > 1.",
     )
-    hysteresis: float = Field(
+    hysteresis: float | None = Field(
         _adaptive_default("hysteresis"),
         ge=0,
         le=10,
-        description="How much better (a fraction of its predicted goodput) another tier must be to replace the current one.",
+        description="How much better (a fraction of its predicted goodput) another tier must be to replace "
+        "the current one (null: 0.15 with a draft head or model, whose estimates drift with noise; "
+        "0.05 with n-gram, whose copying stretches come and go).",
     )
     patience: int = Field(
         _adaptive_default("patience"),

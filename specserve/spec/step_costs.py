@@ -138,6 +138,9 @@ class StepCosts:
         # the mean context (tokens) of the requests of the step being priced; 1: unknown, and loop
         # gaps are then kept and priced as measured
         self.context = 1.0
+        # kind -> the widths the engine runs in a device loop: priced by their profile and loop gaps
+        # alone, never with the residual of synchronous steps, whose host work a loop step has not
+        self.loop_widths: dict[str, frozenset[int]] = {}
 
     def observe(
         self,
@@ -252,7 +255,9 @@ class StepCosts:
             return row[batch]
         profiled = self._profiled.get((kind, width))
         if profiled:  # the profile, and what live steps of this kind cost beyond their profile
-            beyond = self.residual(kind, batch) + self.loop_gap(kind, batch, width)
+            beyond = self.loop_gap(kind, batch, width)
+            if not looped and width not in self.loop_widths.get(kind, ()):
+                beyond += self.residual(kind, batch)
             return max(_interpolate(profiled, batch) + beyond, 1e-9)
         return self._borrow_shape(kind, width, row, batch)
 
