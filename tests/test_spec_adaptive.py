@@ -780,3 +780,29 @@ def test_the_drain_forecasts_a_request_s_end_with_the_pool_weighed_as_drain_stre
     assert score[OFF] > score[Tier.chain(1)]
     assert forecast[Tier.chain(1)] > forecast[OFF]
     assert same == goodput
+
+
+def test_a_batch_grown_fourfold_decides_afresh():
+    """At a model drafter's margin (0.15) a 14% lead does not displace the standing tier. A batch
+    four times the least one the standing tier ran at is another regime: its best tier takes over at
+    once (an engine whose tier was set at batch 2 held the 4-chain at 64, 0.87x the 3-chain, H200).
+    A batch thinning in its tail never decides afresh; growing again from its low point does."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(b, q) for b in (1, 64) for q in (1, 4, 5)], lambda b, q: 1.0 * MS)
+    tiers = [OFF, Tier.chain(3), Tier.chain(4)]
+    lead = {OFF: 0.0, Tier.chain(3): 1.14, Tier.chain(4): 1.0}
+    policy = AdaptivePolicy(tiers, costs, AcceptanceTracker(4), hysteresis=0.15)
+
+    def at(batch: int, scores: dict[Tier, float]) -> Tier:
+        policy.last_batch = batch
+        policy._update(max(scores, key=scores.get), scores)
+        return policy.current
+
+    assert at(2, {**lead, Tier.chain(4): 2.0}) == Tier.chain(4)  # chosen at batch 2
+    assert [at(b, lead) for b in (2, 3, 2, 2)] == [Tier.chain(4)] * 4  # within the margin, patience or not
+    assert at(0, lead) == Tier.chain(4)  # a step of prefills alone: no batch to decide for
+    assert at(8, lead) == Tier.chain(3)  # four times batch 2: afresh
+    back = {**lead, Tier.chain(4): 1.1}
+    assert [at(b, back) for b in (16, 12, 8, 4)] == [Tier.chain(3)] * 4  # thinning: the margin holds
+    assert at(16, back) == Tier.chain(3)  # grown fourfold, and 3 is still the best
+    assert at(64, {**back, Tier.chain(4): 1.2}) == Tier.chain(4)

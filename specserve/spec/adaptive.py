@@ -90,6 +90,12 @@ from specserve.spec.calibration import GoodputCalibration, batch_class
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, VERIFY, StepCosts
 
+# A batch this many times the least one the standing tier has run at since it was chosen decides
+# afresh, without hysteresis. At a model drafter's margin (0.15) an engine whose tier was set at
+# batch 2 held the 4-chain when 64 requests came, where the 3-chain scored 14% more and ran 13%
+# faster (H200, docs/benchmarks.md twentieth session); a batch thinning in its tail only shrinks.
+GROWTH_RESET = 4
+
 
 @dataclass(frozen=True, order=True)
 class Tier:
@@ -206,6 +212,7 @@ class AdaptivePolicy:
         self._challenger: Tier | None = None
         self._streak = 0
         self.last_batch = 0
+        self._floor = 0  # the least batch decided at since the standing tier was chosen
 
     def goodput(self, tier: Tier, request_ids: Sequence[str]) -> float:
         """Predicted tokens per second of one step of `tier` over these requests."""
@@ -439,6 +446,7 @@ class AdaptivePolicy:
         self._challenger, self._streak = None, 0
         self._scored_age += 1
         self.last_batch = batch
+        self._note_batch(batch)
         self._since_probe += 1
         if self._since_probe >= self.probe_interval:
             self._since_probe = 0  # what `_probe` does when no tier is hopeful
@@ -689,22 +697,38 @@ class AdaptivePolicy:
         where it first wins counts one, each later one the verifies since the decision before (one a
         synchronous step; a device loop's run, up to 8 in one engine step, counted in engine steps
         took 3 runs, 24 verifies, where a synchronous engine took 3)."""
+        batch = self.last_batch
         if self.current is None:
-            self.current = best
+            self.current, self._floor = best, max(batch, 0)
             return False
-        if best == self.current or scores[best] <= scores[self.current] * (1 + self.hysteresis):
+        # Grown GROWTH_RESET-fold since the least batch the standing tier ran at: a new regime,
+        # whose best tier takes over at once (the standing one was chosen for another batch)
+        grown = self._floor > 0 and batch >= GROWTH_RESET * self._floor
+        self._note_batch(batch)
+        if grown:
+            self._floor = batch
+        if best == self.current or (
+            not grown and scores[best] <= scores[self.current] * (1 + self.hysteresis)
+        ):
             self._challenger, self._streak = None, 0
             return False
-        self._streak = self._streak + verifies if best == self._challenger else 1
-        self._challenger = best
-        if self._streak < self._patience_for(scores[best], scores[self.current]):
-            return False
-        self.current, self._challenger, self._streak = best, None, 0
+        if not grown:
+            self._streak = self._streak + verifies if best == self._challenger else 1
+            self._challenger = best
+            if self._streak < self._patience_for(scores[best], scores[self.current]):
+                return False
+        self.current, self._challenger, self._streak, self._floor = best, None, 0, max(batch, 0)
         self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
         self.switches += 1
         self.switches_at[self.last_batch] += 1
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True
+
+    def _note_batch(self, batch: int) -> None:
+        """The least batch decided at since the standing tier was chosen (`GROWTH_RESET`); a step of
+        prefills alone (no decoding request) is none."""
+        if batch > 0:
+            self._floor = batch if self._floor <= 0 else min(self._floor, batch)
 
     def _patience_for(self, challenger: float, standing: float) -> float:
         """Verifies a challenger scoring `challenger` must win for against the standing tier's
