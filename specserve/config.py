@@ -127,18 +127,15 @@ class AdaptiveConfig:
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
-        _require(
-            self.hysteresis is None or _is_number(self.hysteresis),
-            f"{name}.hysteresis",
-            "must be a number or null",
-        )
         for field_name in ("min_reach", "request_alpha", "pooled_alpha", "prior"):
             value = getattr(self, field_name)
             _require(_is_number(value), f"{name}.{field_name}", "must be a number")
         for field_name in ("prior_strength", "cost_alpha"):
             _require(_is_number(getattr(self, field_name)), f"{name}.{field_name}", "must be a number")
         _require(
-            self.hysteresis is None or 0 <= self.hysteresis <= 10, f"{name}.hysteresis", "must be in [0, 10]"
+            self.hysteresis is None or (_is_number(self.hysteresis) and 0 <= self.hysteresis <= 10),
+            f"{name}.hysteresis",
+            "must be a number in [0, 10] or null",
         )
         for field_name in ("patience", "probe_every"):
             value = getattr(self, field_name)

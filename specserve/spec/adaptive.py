@@ -699,7 +699,7 @@ class AdaptivePolicy:
         took 3 runs, 24 verifies, where a synchronous engine took 3)."""
         batch = self.last_batch
         if self.current is None:
-            self.current, self._floor = best, max(batch, 0)
+            self.current, self._floor = best, batch
             return False
         # Grown GROWTH_RESET-fold since the least batch the standing tier ran at: a new regime,
         # whose best tier takes over at once (the standing one was chosen for another batch)
@@ -717,7 +717,7 @@ class AdaptivePolicy:
             self._challenger = best
             if self._streak < self._patience_for(scores[best], scores[self.current]):
                 return False
-        self.current, self._challenger, self._streak, self._floor = best, None, 0, max(batch, 0)
+        self.current, self._challenger, self._streak, self._floor = best, None, 0, batch
         self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
         self.switches += 1
         self.switches_at[self.last_batch] += 1
