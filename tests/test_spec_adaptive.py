@@ -784,9 +784,10 @@ def test_the_drain_forecasts_a_request_s_end_with_the_pool_weighed_as_drain_stre
 
 def test_a_batch_grown_fourfold_decides_afresh():
     """At a model drafter's margin (0.15) a 14% lead does not displace the standing tier. A batch
-    four times the least one the standing tier ran at is another regime: its best tier takes over at
+    four times the one the standing tier was chosen at is another regime: its best tier takes over at
     once (an engine whose tier was set at batch 2 held the 4-chain at 64, 0.87x the 3-chain, H200).
-    A batch thinning in its tail never decides afresh; growing again from its low point does."""
+    A batch thinning in its tail and the next batch of the same size keep the margin: measured from
+    the tail's least batch, every new batch of 64 decided afresh on its first step's estimates."""
     costs = StepCosts()
     costs.profile(VERIFY, [(b, q) for b in (1, 64) for q in (1, 4, 5)], lambda b, q: 1.0 * MS)
     tiers = [OFF, Tier.chain(3), Tier.chain(4)]
@@ -799,10 +800,12 @@ def test_a_batch_grown_fourfold_decides_afresh():
         return policy.current
 
     assert at(2, {**lead, Tier.chain(4): 2.0}) == Tier.chain(4)  # chosen at batch 2
-    assert [at(b, lead) for b in (2, 3, 2, 2)] == [Tier.chain(4)] * 4  # within the margin, patience or not
+    assert [at(b, lead) for b in (2, 3, 2, 1, 2)] == [Tier.chain(4)] * 5  # within the margin
     assert at(0, lead) == Tier.chain(4)  # a step of prefills alone: no batch to decide for
     assert at(8, lead) == Tier.chain(3)  # four times batch 2: afresh
     back = {**lead, Tier.chain(4): 1.1}
-    assert [at(b, back) for b in (16, 12, 8, 4)] == [Tier.chain(3)] * 4  # thinning: the margin holds
-    assert at(16, back) == Tier.chain(3)  # grown fourfold, and 3 is still the best
-    assert at(64, {**back, Tier.chain(4): 1.2}) == Tier.chain(4)
+    assert [at(b, back) for b in (16, 12, 8, 2, 1, 16)] == [Tier.chain(3)] * 6  # under 32: the margin holds
+    assert at(32, {**back, Tier.chain(4): 1.2}) == Tier.chain(4)  # four times batch 8: afresh
+    # Chosen at 32: its tail thins to 1 and the next batch of 32 keeps the margin
+    assert [at(b, lead) for b in (32, 8, 2, 1, 32, 32)] == [Tier.chain(4)] * 6
+    assert policy.switches == 2

@@ -90,10 +90,13 @@ from specserve.spec.calibration import GoodputCalibration, batch_class
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, VERIFY, StepCosts
 
-# A batch this many times the least one the standing tier has run at since it was chosen decides
-# afresh, without hysteresis. At a model drafter's margin (0.15) an engine whose tier was set at
-# batch 2 held the 4-chain when 64 requests came, where the 3-chain scored 14% more and ran 13%
-# faster (H200, docs/benchmarks.md twentieth session); a batch thinning in its tail only shrinks.
+# A batch this many times the one the standing tier was chosen at decides afresh, without hysteresis.
+# At a model drafter's margin (0.15) an engine whose tier was set at batch 2 held the 4-chain when 64
+# requests came, where the 3-chain scored 14% more and ran 13% faster (H200, docs/benchmarks.md
+# twentieth session). Measured from the least batch run since the choice instead, every batch of 64
+# after the one before had thinned to its last few requests decided afresh on its first step's
+# estimates: the head's adaptive row wandered over chains 1-4 at batch 16 and 64 (0.958x and 0.915x
+# the best static chain, H200, twenty-first session).
 GROWTH_RESET = 4
 
 
@@ -212,7 +215,7 @@ class AdaptivePolicy:
         self._challenger: Tier | None = None
         self._streak = 0
         self.last_batch = 0
-        self._floor = 0  # the least batch decided at since the standing tier was chosen
+        self._chosen_at = 0  # the batch the standing tier was chosen at (0: none yet)
 
     def goodput(self, tier: Tier, request_ids: Sequence[str]) -> float:
         """Predicted tokens per second of one step of `tier` over these requests."""
@@ -446,7 +449,6 @@ class AdaptivePolicy:
         self._challenger, self._streak = None, 0
         self._scored_age += 1
         self.last_batch = batch
-        self._note_batch(batch)
         self._since_probe += 1
         if self._since_probe >= self.probe_interval:
             self._since_probe = 0  # what `_probe` does when no tier is hopeful
@@ -699,14 +701,13 @@ class AdaptivePolicy:
         took 3 runs, 24 verifies, where a synchronous engine took 3)."""
         batch = self.last_batch
         if self.current is None:
-            self.current, self._floor = best, batch
+            self.current, self._chosen_at = best, batch
             return False
-        # Grown GROWTH_RESET-fold since the least batch the standing tier ran at: a new regime,
-        # whose best tier takes over at once (the standing one was chosen for another batch)
-        grown = self._floor > 0 and batch >= GROWTH_RESET * self._floor
-        self._note_batch(batch)
-        if grown:
-            self._floor = batch
+        # Grown GROWTH_RESET-fold since the standing tier was chosen: a new regime, whose best tier
+        # takes over at once (the standing one was chosen for another batch)
+        grown = batch > 0 and batch >= GROWTH_RESET * max(self._chosen_at, 1)
+        if grown or self._chosen_at <= 0:
+            self._chosen_at = batch
         if best == self.current or (
             not grown and scores[best] <= scores[self.current] * (1 + self.hysteresis)
         ):
@@ -717,18 +718,12 @@ class AdaptivePolicy:
             self._challenger = best
             if self._streak < self._patience_for(scores[best], scores[self.current]):
                 return False
-        self.current, self._challenger, self._streak, self._floor = best, None, 0, batch
+        self.current, self._challenger, self._streak, self._chosen_at = best, None, 0, batch
         self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
         self.switches += 1
         self.switches_at[self.last_batch] += 1
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True
-
-    def _note_batch(self, batch: int) -> None:
-        """The least batch decided at since the standing tier was chosen (`GROWTH_RESET`); a step of
-        prefills alone (no decoding request) is none."""
-        if batch > 0:
-            self._floor = batch if self._floor <= 0 else min(self._floor, batch)
 
     def _patience_for(self, challenger: float, standing: float) -> float:
         """Verifies a challenger scoring `challenger` must win for against the standing tier's
