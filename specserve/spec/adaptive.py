@@ -705,8 +705,8 @@ class AdaptivePolicy:
             return False
         # Grown GROWTH_RESET-fold since the standing tier was chosen: a new regime, whose best tier
         # takes over at once (the standing one was chosen for another batch)
-        grown = batch > 0 and batch >= GROWTH_RESET * max(self._chosen_at, 1)
-        if grown or self._chosen_at <= 0:
+        grown = self._chosen_at > 0 and batch >= GROWTH_RESET * self._chosen_at
+        if grown or self._chosen_at <= 0:  # none known (a tier set from outside): this batch
             self._chosen_at = batch
         if best == self.current or (
             not grown and scores[best] <= scores[self.current] * (1 + self.hysteresis)
