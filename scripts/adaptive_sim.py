@@ -30,7 +30,7 @@ mean ms of the steady and the transition steps the control code saw.
 
     PYTHONPATH=... python -P scripts/adaptive_sim.py [--workload mixed|mt-bench] [--batches 1,4,16,64]
         [--run sixth|latest|first|twelfth] [--prefill-us 1.5] [--transition 0.5] [--first-ms 5] [--jitter 0.15]
-        [--mix copy:0.125] [--bursty 0.005:0.035]
+        [--mix copy:0.125] [--bursty 0.005:0.035] [--setting NAME=VALUE ...]
 
 `--mix` swaps the text model for a heterogeneous one (`MIX`): every chat class above shares its
 conditional rates past the first position, where on the H100 a few copying requests reach the deep
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import math
 import random
 from types import SimpleNamespace
@@ -616,7 +617,7 @@ def run(
             total += got
         stats.generation_tokens = sum(emitted_of.values())
         if static is None:
-            adaptive.observe_step(items, stats)
+            adaptive.observe_step(items, stats, any(r.left <= 0 for r in reqs))
         seconds += ms * MS
         for req in [r for r in reqs if r.left <= 0]:
             adaptive.forget(req.request_id)
@@ -627,6 +628,7 @@ def run(
     return total / seconds, (accepted_drafts + verifies) / verifies if verifies else 0.0
 
 
+SETTINGS: dict = {}  # adaptive settings beyond the defaults (`--setting`)
 FRESH_MS = 0.3  # a loop run not queued behind one: the host's turn between runs (launch, settle)
 
 
@@ -664,13 +666,15 @@ def loop_run(
         req.num_output = min(req.num_output, req.params.max_new_tokens)
     if resumed:
         adaptive.observe_loop(n, k, step * MS, context)
-        adaptive.observe_run(n, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS)
+        ended = any(r.num_output >= r.params.max_new_tokens for r in reqs)
+        adaptive.observe_run(n, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS, ended)
     adaptive.idle()
     return LOOP_RUN * step, verifies, accepted_drafts
 
 
 def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
-    spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}})
+    settings = {"profile": False, **SETTINGS}
+    spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": settings})
     adaptive = AdaptiveSpeculation(spec)
     adaptive.overlapped_off = True
     adaptive.shapes = VerifyShapes(tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1])
@@ -726,7 +730,17 @@ def main() -> int:
         help="a loop step's cost beyond its profile as if every context had TOKENS tokens: no growth "
         "with the context (the H200's loop iterations on MT-Bench, batch 16 and 64: flat from 150 to 330)",
     )
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an adaptive setting (`speculative.adaptive`), its value as JSON, e.g. hysteresis=0.1",
+    )
     args = parser.parse_args()
+    for item in args.setting:
+        name, _, value = item.partition("=")
+        SETTINGS[name] = json.loads(value)
     mix = parse_mix(args.mix, args.workload) if args.mix else None
     bursty = parse_bursty(args.bursty) if args.bursty else None
     clock = Clock(

@@ -198,8 +198,25 @@ def test_hysteresis_waits_for_a_steady_winner():
     assert policy.decide(["a"]).tier == Tier.chain(4)
     for _ in range(200):  # other requests' drafts all fail: OFF is now far better for a newcomer
         acceptance.observe("x", 1, drafted=4, accepted=0)
+    acceptance.observe("a", 1, drafted=4, accepted=0)  # and its own first draft failed
     assert [policy.decide(["a"]).switched for _ in range(3)] == [False, False, True]
     assert policy.current == OFF and policy.switches == 1
+
+
+def test_a_batch_of_fresh_requests_holds_the_standing_tier():
+    """Requests that have verified nothing read the pool's rates alone, which earlier answers set: no
+    tier is chosen on those, and a batch grown fourfold decides afresh once its requests verified."""
+    costs = _gpu_like_costs()
+    acceptance = AcceptanceTracker(4, prior=0.9)
+    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, patience=3)
+    assert policy.decide(["a"]).tier == Tier.chain(4)  # the first decision: nothing stands yet
+    for _ in range(200):  # the pool: every draft fails
+        acceptance.observe("x", 1, drafted=4, accepted=0)
+    fresh = ["b", "c", "d", "e"]  # four times batch 1
+    assert [policy.decide(fresh).switched for _ in range(5)] == [False] * 5
+    assert policy.current == Tier.chain(4) and policy.switches == 0
+    acceptance.observe("b", 1, drafted=4, accepted=0)  # one of them verified: the grown batch decides
+    assert policy.decide(fresh).switched and policy.current == OFF
 
 
 def test_probe_while_off_and_goodput_average():

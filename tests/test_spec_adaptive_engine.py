@@ -275,6 +275,34 @@ def test_only_steady_steps_reach_the_cost_tables(target):
         engine.step()
 
 
+def test_the_policy_hears_which_steps_ended_a_request(target):
+    """A step that finished a request corrects no tier (its tokens stop at the request's end): the
+    engine says so of exactly the steps whose outputs finished one."""
+    llm = _adaptive_llm(target, "ngram")
+    engine, adaptive = llm.engine, llm.engine.adaptive
+    chain = Tier.chain(2)
+    adaptive.policy.decide = lambda ids, remaining=None, verifies=1: Decision(
+        chain, dict.fromkeys(ids, 2), 1.0, False
+    )
+    heard: list[bool] = []
+    observe = adaptive.observe_step
+
+    def spy(items, stats, ended=False):
+        heard.append(ended)
+        observe(items, stats, ended)
+
+    adaptive.observe_step = spy
+    for i, (prompt, tokens) in enumerate(zip(motif_prompts(2, VOCAB, seed=5), (6, 14), strict=True)):
+        engine.add_request(
+            prompt, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True), f"r{i}"
+        )
+    finished: list[bool] = []
+    while engine.has_unfinished():
+        outputs = engine.step()
+        finished.append(any(out.finished for out in outputs))
+    assert heard == finished and heard.count(True) >= 1 and heard.count(False) >= 2
+
+
 @pytest.mark.parametrize(("method", "page_size"), [("ngram", 1), ("standalone", 4), ("eagle", 1), ("mtp", 4)])
 def test_greedy_is_lossless_across_switches(target, plain, heads, method, page_size):
     draft = {"standalone": target.location.path, **heads}.get(method)

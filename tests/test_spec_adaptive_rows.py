@@ -304,6 +304,24 @@ def test_a_loop_run_feeds_the_measured_goodput_and_its_tier_s_correction():
     assert made == {f"{tier.name}@64": pytest.approx(min(max(700 / (predicted * 0.02), 0.25), 2.0), abs=1e-3)}
 
 
+def test_a_run_or_step_that_ended_a_request_corrects_no_tier():
+    """Its tokens stop at the request's end while the prediction counts whole verifies: a batch whose
+    requests end together would score down whatever tier the drain ran last."""
+    control = _control(64)
+    reqs = [_request(f"r{i}") for i in range(64)]
+    control.decide(reqs, 1)
+    tier = control.tier
+    for _ in range(3):  # priced by its loop steps: a run's tokens may correct it
+        control.observe_loop(64, tier.num_steps, _loop_ms(64, tier.num_steps, 240.0) * MS, 240.0)
+    control.decide(reqs, 1)
+    tier = control.tier
+    control.observe_run(64, tier.num_steps, tokens=300, seconds=0.02, ended=True)
+    assert control.policy.measured_goodput == pytest.approx(300 / 0.02)  # still the metric's
+    assert control.diagnostics(64)["calibration"] == {}
+    control.observe_run(64, tier.num_steps, tokens=700, seconds=0.02)
+    assert set(control.diagnostics(64)["calibration"]) == {f"{tier.name}@64"}
+
+
 def test_at_batch_1_a_loop_run_feeds_every_chain_s_correction():
     """A run of the 2-chain says what each chain would have kept of its drafts: the 1-chain as much
     of each, the 4- and 8-chains no more where a draft stopped short. Here every draft's first token

@@ -133,6 +133,7 @@ def test_the_policy_leaves_a_tier_that_makes_less_than_it_promised():
     ids = [f"r{i}" for i in range(16)]
     assert _policy(None).decide(ids).tier == EIGHT
     policy = _policy(GoodputCalibration())
+    policy.acceptance.observe(ids[0], 1, drafted=8, accepted=8)  # a batch that verified (no change: 1e6)
 
     def run(tier: Tier, share: float, times: int = 1) -> None:
         """`times` steps of `tier` that each made `share` of the tokens predicted for it."""

@@ -264,7 +264,7 @@ class Engine:
         else:
             stats.phases.clear()  # nothing ran: no step to time
         if self.adaptive is not None and items:
-            self.adaptive.observe_step(items, stats)
+            self.adaptive.observe_step(items, stats, any(item.request.finished for item in items))
         elif self.adaptive is not None:
             self.adaptive.idle()
         self._end_step(outputs)
@@ -675,7 +675,8 @@ class Engine:
             context = context_tokens(flight.reqs)
             settle = stats.phases.get("postprocess", 0.0)
             self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context, settle)
-            self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds)
+            ended = any(req.finished for req in flight.reqs)
+            self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds, ended)
         self.adaptive.idle()
 
     def _loop_append(

@@ -223,6 +223,12 @@ class AcceptanceTracker:
             ]
         return out
 
+    def known(self, request_ids: Sequence[str], topk: int) -> bool:
+        """Whether any of `request_ids` has evidence of its own at `topk` (else each reads the pool's
+        rates alone)."""
+        requests = self._requests
+        return any((request_id, topk) in requests for request_id in request_ids)
+
     def forget(self, request_id: str) -> None:
         """A finished request's own estimates (the pooled ones keep what it taught them)."""
         for key in [k for k in self._requests if k[0] == request_id]:

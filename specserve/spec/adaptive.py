@@ -276,7 +276,7 @@ class AdaptivePolicy:
         self.last_batch = len(ids)
         scores = self._calibrated(scored)
         best = max(self.tiers, key=lambda t: (scores[t], -t.num_steps))
-        switched = self._update(best, scores, verifies)
+        switched = self._update(best, scores, verifies) if self._known(ids) else self._hold()
         probe = self._probe(scored, verifies)
         tier = probe or self.current
         if probe is not None:
@@ -693,6 +693,25 @@ class AdaptivePolicy:
         of the H200's 20 plain steps in ~170 of the MT-Bench batch-64 row, 2 of them at 64."""
         lo = 1 << (batch_class(batch) - 1)  # the class's batches: lo .. 2 lo - 1
         return any(lo <= b < 2 * lo for b in self.costs.live_batches(kind, 1))
+
+    def _known(self, ids: tuple[str, ...]) -> bool:
+        """Whether any of the batch's requests has verified a draft: a batch of fresh ones (a bench
+        batch's first steps, a server's after idling) reads the pool's rates alone, which the
+        previous answers' ends set, and no tier is chosen on those (`_hold`), unless speculation is
+        off: its steps verify nothing, and held off a batch waited for a probe (simulated mixed
+        prompts at batch 4: off for 311 of 337 steps, 0.95x the best static chain against 0.97x)."""
+        current = self.current
+        return current is None or current.off or any(self.acceptance.known(ids, k) for k in self._topks)
+
+    def _hold(self) -> bool:
+        """The standing tier runs on, no challenger gaining on it, and a grown batch decides afresh
+        once its requests have verified. On the pool's rates alone the H200's n-gram rows switched
+        to the 8-chain on the first step of most batches of 4 and 16 (MT-Bench) and back a run or
+        two later, when the requests' own misses came in (12 switches on a batch's first step in
+        one MT-Bench row of batches 1-64); the head's batch 16 chose the 4-chain on its first step
+        and held it for the row (docs/benchmarks.md, twenty-second session)."""
+        self._challenger, self._streak = None, 0
+        return False
 
     def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1) -> bool:
         """Switch to `best` once it has won by `hysteresis` over `patience` verifies: the decision
