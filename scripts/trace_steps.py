@@ -1,8 +1,8 @@
 """Where a bench run's wall time goes, engine step by engine step.
 
 Builds engines as `specserve bench offline` does (one model load, the bench's pool and batch
-settings), runs TRACE_PROMPTS (default 1) prompts at TRACE_BATCH (default 1), 256 new tokens, greedy,
-EOS ignored, and times every `Engine.step` on the host. Each step gets a kind:
+settings), runs TRACE_PROMPTS (default 1) batches of TRACE_BATCH (default 1) prompts each, 256 new
+tokens, greedy, EOS ignored, and times every `Engine.step` on the host. Each step gets a kind:
 
 - `prefill`: a request still had prompt tokens to compute;
 - `loop-first`: the device loop launched a run and settled none (the host returns at once);
@@ -189,6 +189,8 @@ def main() -> None:
     args = argparse.Namespace(
         device="cuda", dtype="bfloat16", page_size=16, attention_backend="auto", max_new_tokens=TOKENS
     )
+    if len(chats) < PROMPTS * BATCH:
+        raise SystemExit(f"TRACE_PROMPTS x TRACE_BATCH: {PROMPTS} x {BATCH} prompts, {DATA} has {len(chats)}")
     pool = bench._pool_tokens(chats[:64], args, 16, 64)
     for spec in specs:
         llm = bench._engine(args, loaded, spec, 64, pool)
