@@ -19,6 +19,9 @@ steps (cProfile, top functions by cumulative time); TRACE_TORCH=N the same steps
 profiler (operators by host time and by device time, so a slow step shows whether it waits on the
 device or the host).
 
+TRACE_CARRY=4,0 runs every batch once per share (`device_loop.CARRY_SHARE`: a chain of runs goes on
+over finished requests' rows while more than 1/share of them run; 0 never), on the same engine.
+
 TRACE_DATA names the data set (default mt-bench) or a prompts file, as `specserve bench --dataset`.
 
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
@@ -38,6 +41,7 @@ import torch
 from specserve import bench
 from specserve.bench_data import prompt_texts
 from specserve.cli_spec_args import parse_spec, spec_name
+from specserve.engine import device_loop
 from specserve.engine.adaptive_control import context_tokens
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import chat_prompt_ids
@@ -53,6 +57,7 @@ RUNS = int(os.environ.get("TRACE_RUNS", "2"))
 SLOW_MS = float(os.environ.get("TRACE_SLOW_MS", "0"))
 DATA = os.environ.get("TRACE_DATA", "mt-bench")
 PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
+CARRY = [int(b) for b in os.environ.get("TRACE_CARRY", "").split(",") if b] or [device_loop.CARRY_SHARE]
 
 
 # (mean context, seconds per iteration) of every loop run queued behind the one before, by chain length
@@ -87,7 +92,7 @@ def context_fit(samples: list[tuple[float, float]]) -> str:
 
 def traced_run(
     llm, prompts: list[list[int]], profile: int = 0, torch_steps: int = 0
-) -> tuple[float, dict, list[float], int]:
+) -> tuple[float, dict, list[float], list[int]]:
     engine = llm.engine
     times: dict[str, list[float]] = defaultdict(list)
     per_iter = ITERATIONS
@@ -177,8 +182,26 @@ def traced_run(
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     gaps = [b[0] - a[1] for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
-    verifies = sum(o.meta.get("spec_verify_ct", 0) for o in outs)
+    verifies = [o.meta.get("spec_verify_ct", 0) for o in outs]
     return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies
+
+
+def report(name: str, p: int, batch: list, run: tuple[float, dict, list[float], list[int]]) -> None:
+    wall, times, gaps, verifies = run
+    tokens, total = TOKENS * len(batch), sum(verifies)
+    print(
+        f"\n## {name} prompt {p} batch {len(batch)}: {tokens / wall:,.0f} tok/s, "
+        f"wall {wall * 1e3:.1f} ms, {total} verifies ({tokens / max(1, total):.2f} tokens each; "
+        f"a request's: {min(verifies)} to {max(verifies)}, the slowest's sets the batch's end)"
+    )
+    for kind, ts in sorted(times.items()):
+        print(
+            f"  {kind:11s} {len(ts):4d} steps {sum(ts) * 1e3:8.2f} ms  (mean {sum(ts) / len(ts) * 1e3:.3f})"
+        )
+    print(
+        f"  before first step {gaps[0] * 1e3:.2f} ms, after last {gaps[1] * 1e3:.2f} ms, "
+        f"between steps {sum(gaps[2:]) * 1e3:.2f} ms over {len(gaps) - 2}"
+    )
 
 
 def main() -> None:
@@ -199,26 +222,21 @@ def main() -> None:
         gc.freeze()  # as the bench does: the collector never walks the load in a timed run
         for b in PRELUDE:
             llm.generate(chats[:b], SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+        totals: dict[str, float] = defaultdict(float)
         for p in range(PROMPTS):
             batch = chats[p * BATCH : (p + 1) * BATCH]
-            runs = [traced_run(llm, batch) for _ in range(RUNS)]
-            print(f"{spec_name(spec)} runs (ms): " + " ".join(f"{r[0] * 1e3:.0f}" for r in runs), flush=True)
-            if (PROFILE_STEPS or TORCH_STEPS) and p == 0:
-                traced_run(llm, batch, PROFILE_STEPS, TORCH_STEPS)
-            wall, times, gaps, verifies = min(runs, key=lambda r: r[0])
-            tokens = TOKENS * len(batch)
-            print(
-                f"\n## {spec_name(spec)} prompt {p} batch {len(batch)}: {tokens / wall:,.0f} tok/s, "
-                f"wall {wall * 1e3:.1f} ms, {verifies} verifies ({tokens / max(1, verifies):.2f} tokens each)"
-            )
-            for kind, ts in sorted(times.items()):
-                print(
-                    f"  {kind:11s} {len(ts):4d} steps {sum(ts) * 1e3:8.2f} ms  (mean {sum(ts) / len(ts) * 1e3:.3f})"
-                )
-            print(
-                f"  before first step {gaps[0] * 1e3:.2f} ms, after last {gaps[1] * 1e3:.2f} ms, "
-                f"between steps {sum(gaps[2:]) * 1e3:.2f} ms over {len(gaps) - 2}"
-            )
+            for share in CARRY if spec is not None else CARRY[:1]:
+                device_loop.CARRY_SHARE = share
+                name = spec_name(spec) + (f" carry {share}" if len(CARRY) > 1 else "")
+                runs = [traced_run(llm, batch) for _ in range(RUNS)]
+                print(f"{name} runs (ms): " + " ".join(f"{r[0] * 1e3:.0f}" for r in runs), flush=True)
+                if (PROFILE_STEPS or TORCH_STEPS) and p == 0:
+                    traced_run(llm, batch, PROFILE_STEPS, TORCH_STEPS)
+                best = min(runs, key=lambda r: r[0])
+                totals[name] += best[0]
+                report(name, p, batch, best)
+        for name, wall in totals.items():
+            print(f"total {name}: {wall * 1e3:.1f} ms over {PROMPTS} batches (each its fastest run)")
         for depth, samples in sorted(ITERATIONS.items()):
             print(f"  loop iterations, chain {depth}: {context_fit(samples)}")
         ITERATIONS.clear()

@@ -16,7 +16,9 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.config import SpeculativeConfig
-from specserve.engine.device_loop import DeviceLoop
+from specserve.engine import device_loop
+from specserve.engine.device_loop import DeviceLoop, LoopFlight, carries
+from specserve.engine.engine import Engine
 
 from engine_utils import loop_llm
 
@@ -35,6 +37,22 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(DeviceLoop, "launch", counting)
     return calls
+
+
+@pytest.fixture
+def flights(monkeypatch):
+    """The runs device-loop engines launched."""
+    seen: list[LoopFlight] = []
+    original = Engine._loop_launch
+
+    def spying(self, flight):
+        new = original(self, flight)
+        if new is not None:
+            seen.append(new)
+        return new
+
+    monkeypatch.setattr(Engine, "_loop_launch", spying)
+    return seen
 
 
 def _llm(target, speculative=None, **kwargs) -> LLM:
@@ -147,6 +165,91 @@ def test_abort_while_in_flight(small_vocab_target, launches):
             assert engine.abort("1")
     assert finished["1"].finish_reason == "abort"
     assert [finished[i].token_ids for i in "02"] == [reference[0].token_ids, reference[2].token_ids]
+
+
+@pytest.mark.parametrize("share", [4, 0])
+def test_runs_go_on_over_finished_rows(small_vocab_target, flights, monkeypatch, share):
+    """Requests that finish mid-chain (their length, a stop id, a stop string, which only the host
+    sees, and an abort) leave their rows idle in the runs queued after them: the chain goes on
+    without a fresh run while more than 1/CARRY_SHARE of its rows run, the others' tokens are plain
+    decoding's and no page leaks (conftest's check). CARRY_SHARE 0: every finish starts a fresh run."""
+    monkeypatch.setattr(device_loop, "CARRY_SHARE", share)
+    prompts = _prompts(4, seed=19)
+    plain_llm = _llm(small_vocab_target)
+    free = plain_llm.generate(prompts, SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True))
+    # Finishes spread over the chain: a stop string (which the device never sees: its row runs on,
+    # its KV to the dummy page) first, a stop id first seen well into its answer later.
+    text, ids = free[1].text, free[2].token_ids
+    stop = next(
+        text[i : i + n] for i in range(4, len(text)) for n in range(3, 9) if text.find(text[i : i + n]) == i
+    )
+    stop_id = next(t for i, t in enumerate(ids) if i >= 24 and ids.index(t) == i)
+    params = [
+        SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=48, temperature=0.0, stop=[stop]),
+        SamplingParams(max_new_tokens=48, temperature=0.0, stop_token_ids=[stop_id]),
+        SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True),
+    ]
+    plain = plain_llm.generate(prompts, params)
+    engine = _llm(small_vocab_target, LOOP).engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(prompt, p, request_id=str(i))
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert [(finished[str(i)].token_ids, finished[str(i)].finish_reason) for i in range(4)] == [
+        (o.token_ids, o.finish_reason) for o in plain
+    ]
+    carried = [f for f in flights if f.retired]
+    if share:
+        assert carried and all(f.resumed and len(f.reqs) == 4 for f in carried)
+        assert any(1 in f.retired for f in carried), "the stop string's row ran on idle"
+        assert all(4 * (len(f.reqs) - len(f.retired)) > len(f.reqs) for f in carried)
+    else:
+        assert not carried
+    assert len([f for f in flights if not f.resumed]) > (1 if share else 2), "a fresh run at the batch's tail"
+
+
+def test_abort_in_a_run_that_goes_on_over_a_finished_row(small_vocab_target, flights):
+    """An abort while a run carries a finished request's idle row: the others are unchanged."""
+    prompts = _prompts(4, seed=19)
+    lengths = (6, 60, 60, 60)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    reference = _llm(small_vocab_target).generate(prompts, params)
+    engine = _llm(small_vocab_target, LOOP).engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(prompt, p, request_id=str(i))
+    finished, aborted = {}, False
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        flight = engine._loop_flight
+        if not aborted and flight is not None and flight.retired:
+            aborted = engine.abort("2")
+    assert aborted, "a run carried the first request's row"
+    assert finished["2"].finish_reason == "abort"
+    assert [finished[i].token_ids for i in "013"] == [reference[i].token_ids for i in (0, 1, 3)]
+
+
+def test_carries():
+    """Which requests a chain goes on over: its rows, or some of them with the rest finished and
+    more than 1/CARRY_SHARE running; never a newcomer or a row whose request left unfinished."""
+
+    class Req:  # hashed by identity, as `Request`
+        finished = False
+
+    reqs = [Req() for _ in range(5)]
+    flight = LoopFlight(None, reqs[:4], [0] * 4, 1, None, resumed=False)
+    assert carries(flight, reqs[:4])
+    assert not carries(flight, reqs[1:4]), "the missing row's request left unfinished (retracted)"
+    reqs[0].finished = reqs[1].finished = True
+    assert carries(flight, reqs[2:4])
+    assert not carries(flight, [reqs[2], reqs[4]]), "a newcomer"
+    reqs[2].finished = True
+    assert not carries(flight, reqs[3:4]), "a quarter of the rows"
 
 
 def test_context_end(small_vocab_target, launches):

@@ -149,9 +149,17 @@ def test_loop_equals_plain_and_the_reference(small_vocab_target, heads, launches
     loop = llm.engine.device_loop
     assert isinstance(loop, HeadDeviceLoop)
     records = _record_loop_drafts(loop)
+    carried, launch = [], loop.launch
+
+    def carrying(reqs, limits, stop_ids, iterations, resume=False):
+        carried.append(resume and any(r.finished for r in reqs))
+        return launch(reqs, limits, stop_ids, iterations, resume)
+
+    loop.launch = carrying
     looped = llm.generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert max(launches) > 0 and min(launches) < 0, "fresh runs and runs chained on them"
+    assert any(carried), "a run went on over a finished request's row (its head state idle)"
     assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, records) >= 10
     launches.clear()
     long = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)

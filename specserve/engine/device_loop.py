@@ -54,6 +54,11 @@ from specserve_kernels.loop_glue import loop_accept, loop_accept_ref, loop_prepa
 DEVICE_STEPS = int(os.environ.get("SPECSERVE_DEVICE_STEPS", "8"))
 # Stop ids a request may have and still run in the loop (EOS ids and `stop_token_ids` together).
 MAX_STOPS = 8
+# A chain of runs goes on over the rows of requests that finished while more than 1/CARRY_SHARE of
+# its rows still run (SPECSERVE_LOOP_CARRY: another share, 0 never): a fresh run costs the device
+# the host's settle of the last run and the new run's setup, while a narrower bucket saves little a
+# step (`carries`).
+CARRY_SHARE = int(os.environ.get("SPECSERVE_LOOP_CARRY", "4"))
 
 
 @dataclass(frozen=True)
@@ -282,6 +287,29 @@ class LoopFlight:
     steps: int
     records: LoopRecords
     resumed: bool  # queued behind the run before: from its settle to its own, the device ran it alone
+    retired: frozenset[int] = frozenset()  # rows whose requests had left when it was launched
+
+    def live(self) -> list[tuple[int, Request]]:
+        """(row, request) of the rows that had a request when the run was launched."""
+        return [(row, req) for row, req in enumerate(self.reqs) if row not in self.retired]
+
+
+def carries(flight: LoopFlight, running: list[Request]) -> bool:
+    """Whether the next run goes on over `flight`'s rows (its state stays on the device): the running
+    requests are its rows, or some of them, the rest finished (their rows then run idle: inactive,
+    or writing only to the dummy page, their pages freed), and more than 1/CARRY_SHARE of the rows run.
+    A fresh run over the survivors would leave the device idle while the host settles the last run
+    and sets the new one up, every time a request finishes: at batch 16 on the H200 that was ~5
+    times a batch, ~1 ms each (docs/benchmarks.md, twenty-third session)."""
+    if running == flight.reqs:
+        return True
+    if not CARRY_SHARE or CARRY_SHARE * len(running) <= len(flight.reqs):
+        return False
+    rows = set(flight.reqs)
+    if not all(req in rows for req in running):
+        return False  # a newcomer
+    kept = set(running)
+    return all(req.finished for req in flight.reqs if req not in kept)
 
 
 def plan_steps(lengths: list[int], limits: list[int], ahead: int, rate: float, most: int) -> int:

@@ -26,6 +26,7 @@ from specserve.engine.device_loop import (
     DeviceLoop,
     LoopFlight,
     LoopOutput,
+    carries,
     loop_ready,
     make_device_loops,
     plan_steps,
@@ -600,34 +601,40 @@ class Engine:
 
     def _loop_launch(self, flight: LoopFlight | None) -> LoopFlight | None:
         """A run over every running request when all are ready for the loop and none waits, with
-        pages for every position it may reach; None otherwise."""
+        pages for every position it may reach; None otherwise. Queued behind `flight`, it goes on
+        over that run's rows while they `carries`: a finished request's row runs on idle."""
         loop, reqs = self.device_loop, self.scheduler.running
         if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
             return None
-        if flight is not None and (reqs != flight.reqs or loop is not flight.loop):
+        if flight is not None and (loop is not flight.loop or not carries(flight, reqs)):
             return None
         if not all(loop_ready(r) for r in reqs):
             return None
         if flight is None and not all(loop.ready(r) for r in reqs):  # resumed: the device has its state
             return None
+        rows = list(reqs) if flight is None else flight.reqs
         if flight is None:
             limits = [max(loop.limit(r, self.max_model_len), len(r.token_ids)) for r in reqs]
         else:
             limits = flight.limits
+        running = set(reqs)
+        live = [(req, limit) for req, limit in zip(rows, limits, strict=True) if req in running]
         ahead = 0 if flight is None else flight.steps
-        lengths = [len(r.token_ids) for r in reqs]
-        steps = plan_steps(lengths, limits, ahead, self._loop_rate, self._loop_steps)
+        lengths = [len(r.token_ids) for r, _ in live]
+        steps = plan_steps(lengths, [limit for _, limit in live], ahead, self._loop_rate, self._loop_steps)
         if steps <= 0:
             return None
-        for req, limit in zip(reqs, limits, strict=True):
+        for req, limit in live:
             if not self.kv.reserve(req, loop.reach(req, limit, steps, ahead)):
                 if flight is None:  # the scheduler's step (and its retraction) takes over
                     for held in reqs:
                         self.kv.trim(held, len(held.token_ids))
                 return None
-        stops = [sorted(_stop_ids(r)) for r in reqs]
-        records = loop.launch(reqs, limits, stops, steps, resume=flight is not None)
-        return LoopFlight(loop, list(reqs), limits, steps, records, resumed=flight is not None)
+        stops = [sorted(_stop_ids(r)) for r in rows]
+        # Resumed, the page tables are copied again: a retired row's (its pages freed) is all the dummy page.
+        records = loop.launch(rows, limits, stops, steps, resume=flight is not None)
+        retired = frozenset(row for row, req in enumerate(rows) if req not in running)
+        return LoopFlight(loop, rows, limits, steps, records, resumed=flight is not None, retired=retired)
 
     def _loop_settle(self, flight: LoopFlight, chained: bool) -> list[RequestOutput]:
         """Each request's tokens of a run, appended as its synchronous verifies would have, step by
@@ -639,7 +646,7 @@ class Engine:
         self._loop_rate = _loop_rate(self._loop_rate, result)
         appended = [
             (req, *self._loop_append(req, result, index, flight))
-            for index, req in enumerate(flight.reqs)
+            for index, req in flight.live()
             if not req.finished  # aborted meanwhile: its row ran on, for nothing
         ]
         if self.adaptive is not None:  # before any finished request's estimates are forgotten
@@ -675,7 +682,7 @@ class Engine:
             context = context_tokens(flight.reqs)
             settle = stats.phases.get("postprocess", 0.0)
             self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context, settle)
-            ended = any(req.finished for req in flight.reqs)
+            ended = any(req.finished for _, req in flight.live())
             self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds, ended)
         self.adaptive.idle()
 
