@@ -24,7 +24,8 @@ Per iteration and request (the verify bucket's static inputs written on the devi
   KV to the dummy slot and append nothing.
 The engine queues the next run over the same requests before it reads a run's records
 (`launch(resume=True)`: the state stays on the device), so the host's appending hides behind the
-device. Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes a run by the
+device; a finished request's row runs on idle in the runs after it while more than a quarter of the rows run
+(`carries`). Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes a run by the
 tokens a step has lately given. With adaptive speculation each chain tier has a loop, run for the
 tier the policy holds (`Engine.device_loop`).
 """
