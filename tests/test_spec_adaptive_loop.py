@@ -257,6 +257,36 @@ def test_the_switch_cost_is_the_robust_mean_of_the_loop_settles_by_batch():
     assert policy.switch_seconds(1) == pytest.approx(1.1 * MS)  # below the measured: the nearest
     assert policy.switch_seconds(34) == pytest.approx(2.55 * MS)  # between them: linear
     assert policy.switch_seconds(124) == pytest.approx(6.9 * MS)  # past them: along their slope
+    for setup in (0.5, 0.7, 0.6):  # a fresh run's setup: exposed by a switch after the settle
+        control.observe_setup(4, setup * MS)
+    assert policy.switch_seconds(4) == pytest.approx(1.7 * MS)
+    assert policy.switch_seconds(64) == pytest.approx(4.6 * MS)  # one batch measured: its price
+
+
+def test_the_engine_times_each_fresh_run_s_setup(small_vocab_target, monkeypatch):
+    """Each device-loop run launched with none in flight reports its host setup to the policy, at its
+    batch; runs queued behind another do not."""
+    from specserve import SamplingParams
+    from specserve.engine.device_loop import DeviceLoop
+
+    from engine_utils import loop_llm
+
+    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"tiers": ["off", 2, 4]}, "device_steps": 4}
+    llm = loop_llm(small_vocab_target, spec)
+    setups, fresh = [], []
+    monkeypatch.setattr(llm.engine.adaptive, "observe_setup", lambda batch, s: setups.append((batch, s)))
+    launch = DeviceLoop.launch
+
+    def launching(self, reqs, limits, stop_ids, iterations, resume=False):
+        if not resume:
+            fresh.append(len(reqs))
+        return launch(self, reqs, limits, stop_ids, iterations, resume)
+
+    monkeypatch.setattr(DeviceLoop, "launch", launching)
+    prompts = [[10 + (i % 3) for i in range(12)], [20 + (i % 4) for i in range(9)]]
+    llm.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    assert fresh and [b for b, _ in setups] == fresh
+    assert all(s > 0 for _, s in setups)
 
 
 def test_the_control_hands_the_policy_the_verifies_a_run_settled():

@@ -315,6 +315,11 @@ class AdaptiveSpeculation:
         name = Tier.chain(depth).name
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 
+    def observe_setup(self, batch: int, seconds: float) -> None:
+        """The host took `seconds` to set up a fresh device-loop run over `batch` requests (what a
+        switch of tier exposes beside the settle)."""
+        self.policy.observe_setup_cost(batch, seconds)
+
     def observe_run(self, batch: int, depth: int, tokens: int, seconds: float, ended: bool = False) -> None:
         """A device-loop run of chains `depth` long over `batch` requests, queued behind the run
         before it, emitted `tokens` in `seconds` (the step that settled it): the measured goodput

@@ -584,9 +584,14 @@ class Engine:
         and append the one in flight while the device works on the next. None: no run in flight
         and none launched; the synchronous path takes this step."""
         flight = self._loop_flight
+        start = time.perf_counter()
         self._loop_flight = self._loop_launch(flight)
         if flight is None:
-            return None if self._loop_flight is None else []
+            if self._loop_flight is None:
+                return None
+            if self.adaptive is not None:  # the device idled for it: a switch's cost
+                self.adaptive.observe_setup(len(self._loop_flight.reqs), time.perf_counter() - start)
+            return []
         self._while_device_works()
         return self._loop_settle(flight, chained=self._loop_flight is not None)
 

@@ -13,7 +13,7 @@ step's cost. The best tier replaces the current one only when it beats it by `hy
 up to 8), so noise in the estimates does not make the engine flap between shapes (each switch may
 mean other CUDA graphs and a cold draft cache). Where a switch costs time of its own (a device loop's
 runs are queued back to back while the tier stands, and a switch exposes the host's settle of the
-last run, `observe_switch_cost`), the challenger must win long enough for its gain to have paid for
+last run and the setup of a fresh one, `observe_switch_cost` and `observe_setup_cost`), the challenger must win long enough for its gain to have paid for
 one: its streak in verifies at least the switch's seconds over the gain's per verify of the standing
 tier (`_patience_for`). A gain of 5% pays for a 4 ms settle at batch 64 (1.4 ms loop steps) in ~57
 verifies. Counted as 3, an A/B in one call on the H200 (the shipped head, MT-Bench) made 0.93 / 0.82
@@ -88,7 +88,7 @@ from specserve.config import SpeculativeConfig
 from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
 from specserve.spec.calibration import GoodputCalibration, batch_class
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
-from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, SETUP, VERIFY, StepCosts
 
 # A batch this many times the one the standing tier was chosen at decides afresh, without hysteresis.
 # At a model drafter's margin (0.15) an engine whose tier was set at batch 2 held the 4-chain when 64
@@ -294,10 +294,19 @@ class AdaptivePolicy:
         run, hidden behind the next run while the tier stands, exposed when it changes."""
         self.costs.observe(SETTLE, batch, 1, seconds)
 
+    def observe_setup_cost(self, batch: int, seconds: float) -> None:
+        """A fresh device-loop run over `batch` requests took the host `seconds` to set up: a switch
+        leaves the device idle for that too, after the settle."""
+        self.costs.observe(SETUP, batch, 1, seconds)
+
     def switch_seconds(self, batch: int) -> float:
-        """What a switch costs at `batch` (the cost tables' `SETTLE`); 0 where none was measured (a
-        synchronous engine: the step after a switch is as dear as any)."""
-        return self.costs.estimate(SETTLE, batch, 1) if self.costs.measures(SETTLE) else 0.0
+        """What a switch costs at `batch`: the cost tables' `SETTLE` and `SETUP`, each where measured
+        (none: a synchronous engine, whose step after a switch is as dear as any). Priced by the
+        settle alone, a switch at batch 64 on the H200 cost ~3 ms of the ~6 it left the device idle
+        for, and n-gram tiers within 3% of each other took turns (59 switches, 0.95x the best static
+        chain; docs/benchmarks.md, twenty-third session)."""
+        costs = self.costs
+        return sum(costs.estimate(kind, batch, 1) for kind in (SETTLE, SETUP) if costs.measures(kind))
 
     def observe_outcome(self, tier: Tier, batch: int, tokens: int, seconds: float, predicted: float) -> None:
         """A steady step (or device-loop run) of `tier` over `batch` requests emitted `tokens` in

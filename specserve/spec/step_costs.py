@@ -6,7 +6,7 @@ one draft step over `batch` requests at `topk` branches (a model drafter's forwa
 host time), and a plain decode step as the engine runs it with speculation off, overlapped with the
 host work of the step before (`DECODE`, measured only: its host work hides behind the device's, so
 it costs less than a synchronous pass of one token); and beside them what a switch of tier costs
-(`SETTLE`, measured only). Each is a table of seconds keyed by (batch,
+(`SETTLE` and `SETUP`, measured only). Each is a table of seconds keyed by (batch,
 width), filled by start-up profiling of the CUDA-graph buckets and kept current by what steady
 live steps measured (a robust mean of the last few, below). Shapes never measured are interpolated
 linearly in batch between the nearest measured ones of the same width (past the largest, scaled in
@@ -90,6 +90,9 @@ VERIFY, DRAFT, DECODE = "verify", "draft", "decode"
 # and exposed by a switch: measured only, priced linearly in batch, past the measured ones along their
 # slope (host work per request), never from a default (`AdaptivePolicy.switch_seconds`).
 SETTLE = "settle"
+# The host's setup of a fresh device-loop run (width 1: histories, page tables, the head's seeds
+# copied over, the run queued), which a switch exposes after the settle: measured only, as SETTLE.
+SETUP = "setup"
 # Steady measurements a shape's live price (and a batch's residual) waits for: with three, one
 # outlier is told by their median. One is not enough: the bench's warm-up verifies at batch 2 a few
 # steps only, and a one-off cost in one of them, taken as that batch's residual, priced every tier
