@@ -23,7 +23,10 @@ The engine's pipeline is modelled (`run`): an overlapped plain step's wall is th
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
 pays `--first-ms` more (one-off costs): the effects that mispriced the sixth run's tables (its
-batch-1 miss, 0.66x, comes out at 0.66x; docs/benchmarks.md). Prints, per batch, tokens/s of plain
+batch-1 miss, 0.66x, comes out at 0.66x; docs/benchmarks.md). With `--run twelfth` a loop run goes
+on over finished requests' rows as the engine's does (`device_loop.carries`, priced at the rows it
+carries), and a fresh one costs its setup (`FRESH_MS`, `SETUP_MS` a request), which the policy hears
+(`observe_setup`) as a switch's cost. Prints, per batch, tokens/s of plain
 and each static chain and their accept lengths (beside the H100's), of adaptive, issue 9's
 verdict, the steps per tier, the policy's predicted step ms beside the clock's steady ones, and the
 mean ms of the steady and the transition steps the control code saw.
@@ -61,6 +64,7 @@ from types import SimpleNamespace
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation
+from specserve.engine.device_loop import CARRY_SHARE
 from specserve.engine.stats import StepStats
 from specserve.spec.adaptive import OFF, Tier
 from specserve.spec.draft_depths import VerifyShapes
@@ -546,7 +550,7 @@ def run(
         req.left -= 1
         made[req.request_id] = req.num_output = 1
     total, seconds = batch, ms * MS
-    looped: tuple[Tier, int] | None = None  # the loop run before: its tier and batch (a run resumes it)
+    looped: tuple[Tier, int] | None = None  # the loop run before: its tier and rows (a run resumes it)
     while reqs:
         # step-to-step noise of the wall clock (host jitter), the same sequence for every system
         jitter = math.exp(clock.jitter * noise.gauss(0.0, 1.0) - clock.jitter**2 / 2)
@@ -559,11 +563,21 @@ def run(
             settings = SimpleNamespace(num_steps=tier.num_steps)
         n, stats, emitted_of = len(reqs), StepStats(), {}
         if clock.loop and not tier.off and (static is not None or not adaptive.probing):
-            resumed = looped == (tier, n)
-            ms, got, acc = loop_run(adaptive, clock, reqs, made, tier, resumed and static is None, jitter)
-            ms += inflight + (0.0 if resumed else FRESH_MS)  # the plain step in flight settles first
+            # a run goes on over the rows of the one before while more than 1/CARRY_SHARE of them run
+            # (`device_loop.carries`: finished requests' rows run idle), else a fresh one over these
+            resumed = looped is not None and looped[0] == tier and CARRY_SHARE * n > looped[1]
+            rows = looped[1] if resumed else n
+            ms, got, acc = loop_run(
+                adaptive, clock, reqs, made, tier, rows, resumed and static is None, jitter
+            )
+            if not resumed:
+                setup = FRESH_MS + SETUP_MS * n
+                ms += setup
+                if static is None:  # the engine times every fresh run's setup (`Engine._loop_step`)
+                    adaptive.observe_setup(n, setup * MS)
+            ms += inflight  # the plain step in flight settles first
             verifies, accepted_drafts = verifies + got, accepted_drafts + acc
-            inflight, looped = 0.0, (tier, n)
+            inflight, looped = 0.0, (tier, rows)
             total += sum(r.num_output - made[r.request_id] for r in reqs)
             seconds += ms * MS
             for req in reqs:
@@ -629,7 +643,10 @@ def run(
 
 
 SETTINGS: dict = {}  # adaptive settings beyond the defaults (`--setting`)
-FRESH_MS = 0.3  # a loop run not queued behind one: the host's turn between runs (launch, settle)
+# A loop run not queued behind one: the host's turn between runs (launch, settle) and the run's setup
+# per request (histories, page tables: the H200's fresh runs took ~1.3 ms at batch 16, ~4.5 at 64).
+FRESH_MS = 0.3
+SETUP_MS = 0.065
 
 
 def loop_run(
@@ -638,13 +655,16 @@ def loop_run(
     reqs: list[SimpleNamespace],
     made: dict[str, int],
     tier: Tier,
+    rows: int,
     resumed: bool,
     jitter: float,
 ) -> tuple[float, int, int]:
     """A device-loop run of `tier` over `reqs`, as `Engine._loop_step` settles it: `LOOP_RUN` verifies
     (a request that reached its end stays in the run, appending nothing), each fed to the estimates
     (`observe_chain`), the run's step ms to the cost tables and its tokens to its tier's correction
-    when it was queued behind one of its own (`observe_loop`, `observe_run`). Its ms, verifies and accepted drafts; each request's `num_output` moves on."""
+    when it was queued behind one of its own (`observe_loop`, `observe_run`), priced at its `rows`
+    (finished requests' rows carried idle). Its ms, verifies and accepted drafts; each request's
+    `num_output` moves on."""
     n, k = len(reqs), tier.num_steps
     verifies = accepted_drafts = 0
     before = sum(r.num_output for r in reqs)
@@ -661,13 +681,13 @@ def loop_run(
             verifies, accepted_drafts = verifies + 1, accepted_drafts + accepted
             req.num_output += accepted + 1
     context = clock.prompt + sum(min(r.num_output, r.params.max_new_tokens) for r in reqs) / n
-    step = clock.loop_ms(k, n, context) * jitter
+    step = clock.loop_ms(k, rows, context) * jitter
     for req in reqs:
         req.num_output = min(req.num_output, req.params.max_new_tokens)
     if resumed:
-        adaptive.observe_loop(n, k, step * MS, context)
+        adaptive.observe_loop(rows, k, step * MS, context)
         ended = any(r.num_output >= r.params.max_new_tokens for r in reqs)
-        adaptive.observe_run(n, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS, ended)
+        adaptive.observe_run(rows, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS, ended)
     adaptive.idle()
     return LOOP_RUN * step, verifies, accepted_drafts
 

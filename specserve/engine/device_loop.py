@@ -24,9 +24,9 @@ Per iteration and request (the verify bucket's static inputs written on the devi
   KV to the dummy slot and append nothing.
 The engine queues the next run over the same requests before it reads a run's records
 (`launch(resume=True)`: the state stays on the device), so the host's appending hides behind the
-device; a finished request's row runs on idle in the runs after it while more than a quarter of the rows run
-(`carries`). Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes a run by the
-tokens a step has lately given. With adaptive speculation each chain tier has a loop, run for the
+device; a finished request's row runs on idle in the runs after it while more than a quarter of
+the rows run (`carries`). Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes
+a run by the tokens a step has lately given. With adaptive speculation each chain tier has a loop, run for the
 tier the policy holds (`Engine.device_loop`).
 """
 
@@ -300,8 +300,9 @@ def carries(flight: LoopFlight, running: list[Request]) -> bool:
     requests are its rows, or some of them, the rest finished (their rows then run idle: inactive,
     or writing only to the dummy page, their pages freed), and more than 1/CARRY_SHARE of the rows run.
     A fresh run over the survivors would leave the device idle while the host settles the last run
-    and sets the new one up, every time a request finishes: at batch 16 on the H200 that was ~5
-    times a batch, ~1 ms each (docs/benchmarks.md, twenty-third session)."""
+    and sets the new one up, every time a request finishes: 4-6 times a batch at batch 16 on the
+    H200, where carrying made a static chain 1-4% faster and adaptive speculation 3-6%
+    (docs/benchmarks.md, twenty-third session)."""
     if running == flight.reqs:
         return True
     if not CARRY_SHARE or CARRY_SHARE * len(running) <= len(flight.reqs):

@@ -13,9 +13,9 @@ step's cost. The best tier replaces the current one only when it beats it by `hy
 up to 8), so noise in the estimates does not make the engine flap between shapes (each switch may
 mean other CUDA graphs and a cold draft cache). Where a switch costs time of its own (a device loop's
 runs are queued back to back while the tier stands, and a switch exposes the host's settle of the
-last run and the setup of a fresh one, `observe_switch_cost` and `observe_setup_cost`), the challenger must win long enough for its gain to have paid for
-one: its streak in verifies at least the switch's seconds over the gain's per verify of the standing
-tier (`_patience_for`). A gain of 5% pays for a 4 ms settle at batch 64 (1.4 ms loop steps) in ~57
+last run and the setup of a fresh one, `observe_switch_cost` and `observe_setup_cost`), the
+challenger must win long enough for its gain to have paid for one: its streak in verifies at least
+the switch's seconds over the gain's per verify of the standing tier (`_patience_for`). A gain of 5% pays for a 4 ms settle at batch 64 (1.4 ms loop steps) in ~57
 verifies. Counted as 3, an A/B in one call on the H200 (the shipped head, MT-Bench) made 0.93 / 0.82
 / 0.98x the best static chain at batch 4 / 16 / 64 (its tier steps spread over 3-5 tiers), with the
 settle paid for 1.00 / 0.99 / 1.01x (3 / 0 / 8 switches). While a chain stands, the positions past it up to
@@ -302,9 +302,10 @@ class AdaptivePolicy:
     def switch_seconds(self, batch: int) -> float:
         """What a switch costs at `batch`: the cost tables' `SETTLE` and `SETUP`, each where measured
         (none: a synchronous engine, whose step after a switch is as dear as any). Priced by the
-        settle alone, a switch at batch 64 on the H200 cost ~3 ms of the ~6 it left the device idle
-        for, and n-gram tiers within 3% of each other took turns (59 switches, 0.95x the best static
-        chain; docs/benchmarks.md, twenty-third session)."""
+        settle alone, a switch at batch 64 on the H200 was 2.7-4.0 ms, less than half of what it
+        left the device idle for (6.7-9.7 ms with the setup), and n-gram tiers within 3% of each
+        other took turns (59 switches, 0.95x the best static chain; docs/benchmarks.md,
+        twenty-third session)."""
         costs = self.costs
         return sum(costs.estimate(kind, batch, 1) for kind in (SETTLE, SETUP) if costs.measures(kind))
 
