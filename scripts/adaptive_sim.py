@@ -25,8 +25,9 @@ the one in flight and pays `--transition` of its step more; an engine's first ve
 pays `--first-ms` more (one-off costs): the effects that mispriced the sixth run's tables (its
 batch-1 miss, 0.66x, comes out at 0.66x; docs/benchmarks.md). With `--run twelfth` a loop run goes
 on over finished requests' rows as the engine's does (`device_loop.carries`, priced at the rows it
-carries), and a fresh one costs its setup (`FRESH_MS`, `SETUP_MS` a request), which the policy hears
-(`observe_setup`) as a switch's cost. Prints, per batch, tokens/s of plain
+carries), a switch between chain tiers queues the new tier's run there too (the loops share the
+requests' state; `--switch-settles`: a fresh run, as before that), and a fresh one costs its setup
+(`FRESH_MS`, `SETUP_MS` a request), which the policy hears (`observe_setup`) as a switch's cost. Prints, per batch, tokens/s of plain
 and each static chain and their accept lengths (beside the H100's), of adaptive, issue 9's
 verdict, the steps per tier, the policy's predicted step ms beside the clock's steady ones, and the
 mean ms of the steady and the transition steps the control code saw.
@@ -385,6 +386,7 @@ class Clock:
         mix: dict[str, float] | None = None,
         bursty: tuple[float, float] | None = None,
         flat_context: float | None = None,
+        switch_settles: bool = False,
     ) -> None:
         # `--flat-context`: the loop's attention priced as if every context had this many tokens
         self.flat_context = flat_context
@@ -395,6 +397,7 @@ class Clock:
         self.first_ms = first_ms
         self._seen: set[tuple[int, int, int]] = set()  # (engine, chain, batch) verified before
         self.loop = run == "twelfth"  # chain tiers run in the device loop (`LOOP_PROFILE`)
+        self.switch_settles = switch_settles  # a switch of chain tier starts a fresh run (the old loops)
 
     def first_time(self, engine: object, drafts: int, batch: int) -> float:
         """Extra ms of an engine's first verify of this bucket at this batch (`first_ms`: a model of
@@ -565,7 +568,9 @@ def run(
         if clock.loop and not tier.off and (static is not None or not adaptive.probing):
             # a run goes on over the rows of the one before while more than 1/CARRY_SHARE of them run
             # (`device_loop.carries`: finished requests' rows run idle), else a fresh one over these
-            resumed = looped is not None and looped[0] == tier and CARRY_SHARE * n > looped[1]
+            # (`DeviceLoop.follows`: a switch of chain tier too, unless `switch_settles`)
+            same = looped is not None and (looped[0] == tier or not clock.switch_settles)
+            resumed = same and CARRY_SHARE * n > looped[1]
             rows = looped[1] if resumed else n
             ms, got, acc = loop_run(
                 adaptive, clock, reqs, made, tier, rows, resumed and static is None, jitter
@@ -700,6 +705,8 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     adaptive.shapes = VerifyShapes(tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1])
     if clock.loop:
         adaptive.looped_chains = frozenset(t.num_steps for t in adaptive.tiers if not t.off)
+        if clock.switch_settles:
+            adaptive.policy.switch_on_device = frozenset()
     profile(adaptive, clock)
     return adaptive
 
@@ -751,6 +758,12 @@ def main() -> int:
         "with the context (the H200's loop iterations on MT-Bench, batch 16 and 64: flat from 150 to 330)",
     )
     parser.add_argument(
+        "--switch-settles",
+        action="store_true",
+        help="with --run twelfth: a switch between chain tiers settles the run in flight and sets up a "
+        "fresh one (the loops before they shared the requests' state), priced so by the policy",
+    )
+    parser.add_argument(
         "--setting",
         action="append",
         default=[],
@@ -774,6 +787,7 @@ def main() -> int:
         mix,
         bursty,
         args.flat_context,
+        args.switch_settles,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     statics = (OFF, *(Tier.chain(c) for c in CHAINS))

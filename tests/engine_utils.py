@@ -156,3 +156,73 @@ def loop_llm(target, speculative=None, max_total_tokens: int = 4096, **kwargs):
         speculative=speculative,
         **kwargs,
     )
+
+
+def cycle_tiers(engine: Engine, lengths: Sequence[int]) -> list[int]:
+    """Make an adaptive engine's policy hold the chains of `lengths` in turn, one decision each (a
+    switch every engine step, the hardest case for the loops' shared state). Returns the lengths
+    decided, in order."""
+    from specserve.spec.adaptive import Decision, Tier
+
+    policy, decided = engine.adaptive.policy, []
+
+    def decide(ids, remaining=None, verifies=1):
+        tier = Tier.chain(lengths[len(decided) % len(lengths)])
+        decided.append(tier.num_steps)
+        policy.current = tier  # held, not a probe
+        return Decision(tier, dict.fromkeys(ids, tier.num_steps), 1.0, True)
+
+    policy.decide = decide
+    return decided
+
+
+def switched_on_device(flights) -> int:
+    """Runs of another chain length than the run before them, queued behind it on the device."""
+    pairs = zip(flights, flights[1:], strict=False)
+    return sum(1 for before, run in pairs if run.resumed and run.loop is not before.loop)
+
+
+def check_loop_reservations(monkeypatch) -> list:
+    """Spy on every device-loop run an engine launches: each live request holds pages for every
+    position the run can write KV to, the run before it (in flight, perhaps of another chain length)
+    taking every draft. Returns the runs seen."""
+    from specserve.engine.device_loop import LoopFlight
+
+    runs: list[LoopFlight] = []
+    original = Engine._loop_launch
+
+    def launching(self, flight):
+        run = original(self, flight)
+        if run is None:
+            return None
+        runs.append(run)
+        ahead = 0 if flight is None else flight.steps * flight.loop.query_len
+        q, k = run.loop.query_len, run.loop.num_steps
+        for _, req in run.live():
+            limit = run.limits[run.reqs.index(req)]
+            last_start = min(limit - 1, len(req.token_ids) + ahead + (run.steps - 1) * q)  # active below it
+            furthest = last_start - 1 + k  # the last verify's last position
+            assert len(req.pages) * self.kv.page_size > furthest, (req.request_id, furthest, len(req.pages))
+        return run
+
+    monkeypatch.setattr(Engine, "_loop_launch", launching)
+    return runs
+
+
+def gpu_switches_equal_plain(gguf, prompts, params, spec: dict, order: Sequence[int], monkeypatch, **common):
+    """On a GPU: an adaptive engine's captured loops switched at every step through the chain
+    lengths of `order` (`cycle_tiers`) emit plain greedy decoding's tokens, each run with its pages
+    held (`check_loop_reservations`), and switches happened on the device. Returns its outputs."""
+    from specserve import LLM
+
+    plain = LLM(str(gguf), **common)
+    want = plain.generate(prompts, params)
+    del plain
+    looped = LLM(str(gguf), speculative=spec, **common)
+    assert all(loop.loop_graphs for loop in looped.engine.device_loops.values()), "captured"
+    cycle_tiers(looped.engine, order)
+    flights = check_loop_reservations(monkeypatch)
+    got = looped.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert switched_on_device(flights) >= 4, [(f.loop.num_steps, f.resumed) for f in flights]
+    return got

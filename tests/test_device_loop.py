@@ -20,7 +20,13 @@ from specserve.engine import device_loop
 from specserve.engine.device_loop import DeviceLoop, LoopFlight, carries
 from specserve.engine.engine import Engine
 
-from engine_utils import loop_llm
+from engine_utils import (
+    check_loop_reservations,
+    cycle_tiers,
+    gpu_switches_equal_plain,
+    loop_llm,
+    switched_on_device,
+)
 
 LOOP = {"method": "ngram", "num_steps": 4, "device_steps": 4}
 
@@ -280,6 +286,41 @@ def test_adaptive_tiers(small_vocab_target, launches):
     assert single.token_ids == plain[0].token_ids
 
 
+def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, monkeypatch):
+    """The policy switches tier at every step (chains 4, 1, 2: each switch to a shorter chain
+    reserves pages for the longer run still in flight): each new length's run is queued behind the
+    run in flight over the loops' shared state, no settle between them, and the tokens are plain
+    greedy decoding's through requests finishing at their limits and stop ids."""
+    prompts = _prompts(4, seed=23)
+    reference = _llm(small_vocab_target).generate(
+        prompts, SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    )
+    stop_id = reference[3].token_ids[40]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 64, 50)] + [
+        SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=[stop_id])
+    ]
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    spec = {
+        "method": "ngram",
+        "num_steps": 4,
+        "adaptive": {"tiers": ["off", 1, 2, 4], "profile": False},
+        "device_steps": 4,
+    }
+    llm = _llm(small_vocab_target, spec)
+    loops = llm.engine.device_loops
+    assert len({id(loop.state) for loop in loops.values()}) == 1, "one state for every chain length"
+    decided = cycle_tiers(llm.engine, [4, 1, 2])
+    for graph in llm.engine.runner.graphs.graphs.values():  # as synchronous steps of other layouts leave them
+        graph.attention.query_start.zero_()
+    flights = check_loop_reservations(monkeypatch)
+    looped = llm.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in looped] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert set(decided) == {1, 2, 4}
+    assert switched_on_device(flights) >= 4, [(f.loop.num_steps, f.resumed) for f in flights]
+    fresh = [f for f in flights if not f.resumed]
+    assert len(fresh) <= 2, "a fresh run at the start, and once most rows had finished"
+
+
 def test_settings():
     with pytest.raises(ValueError, match="speculative.device_steps"):
         SpeculativeConfig(method="ngram", num_steps=4, topk=2, device_steps=4).validate()
@@ -314,6 +355,19 @@ def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launche
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got_one.token_ids == want[0].token_ids
     assert launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_switches_equal_plain(smollm2_gguf, mtbench_questions, monkeypatch):
+    """On a GPU, the captured loops of chains 5, 1 and 3 in turn over their shared state, switched at
+    every step on the device: plain greedy decoding's tokens, batch 5."""
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
+    params = SamplingParams(max_new_tokens=96, temperature=0.0)
+    spec = {"method": "ngram", "num_steps": 5, "adaptive": {"tiers": ["off", 1, 3, 5]}, "device_steps": 4}
+    gpu_switches_equal_plain(
+        smollm2_gguf, mtbench_questions[:5], params, spec, [5, 1, 3], monkeypatch, **common
+    )
 
 
 def test_loop_verifies_count_short_drafts_as_misses():

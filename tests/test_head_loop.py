@@ -24,7 +24,13 @@ from specserve.model.head_checkpoint import random_head, save_head
 from specserve.train.data import GenerationSettings, generate_responses
 from specserve.train.trainer import TrainConfig, train_head
 
-from engine_utils import loop_llm
+from engine_utils import (
+    check_loop_reservations,
+    cycle_tiers,
+    gpu_switches_equal_plain,
+    loop_llm,
+    switched_on_device,
+)
 
 VOCAB = 96
 # The random EAGLE-3 head is a deeper one (its further layer through the fused stream kernels); the
@@ -234,6 +240,35 @@ def test_adaptive_tiers(small_vocab_target, heads, launches):
     assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, flat, every=3) >= 3
 
 
+def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, heads, monkeypatch):
+    """The policy switches tier at every step (chains 4, 1, 2): each new length's run goes on from
+    the head state the last run left in the shared chain buckets (its seeds, tails, positions; each
+    row's chain steps set for the new length), queued behind it; plain greedy tokens, and every
+    chain the from-scratch one."""
+    prompts = _prompts(128, seed=0)[::32]
+    params = [SamplingParams(max_new_tokens=24 + 12 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    plain = _llm(small_vocab_target).generate(prompts, params)
+    spec = {
+        "method": "eagle3",
+        "draft_model": str(heads["trained-eagle3"]),
+        "num_steps": 4,
+        "adaptive": {"tiers": ["off", 1, 2, 4], "profile": False},
+        "device_steps": 4,
+    }
+    llm = loop_llm(small_vocab_target, spec, max_total_tokens=2048)
+    records = [_record_loop_drafts(loop) for loop in llm.engine.device_loops.values()]
+    decided = cycle_tiers(llm.engine, [4, 1, 2])
+    flights = check_loop_reservations(monkeypatch)
+    looped = llm.generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    assert set(decided) == {1, 2, 4}
+    assert switched_on_device(flights) >= 4, [(f.loop.num_steps, f.resumed) for f in flights]
+    deep = sum(sum(o.meta["spec_accept_histogram"][2:]) for o in looped)
+    assert deep >= 5, f"verifies that accepted 2+ drafts: {deep}"
+    flat = [r for rec in records for r in rec]
+    assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, flat, every=2) >= 10
+
+
 def test_multi_module_heads_stay_synchronous(small_vocab_target, heads, launches):
     """An MTP chain of several modules drafts on the host: no head loop, same tokens."""
     llm = _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=None)
@@ -280,3 +315,32 @@ def test_gpu_captured_head_loop_equals_plain(smollm2_gguf, mtbench_questions, la
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got_one.token_ids == want[0].token_ids
     assert min(launches) < 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_head_loops_switch_on_the_device(smollm2_gguf, mtbench_questions, monkeypatch):
+    """fp32 SmolLM2 on the GPU with the shipped EAGLE-3 head: the captured loops of chains 4, 1 and 2
+    in turn, switched at every step on the device over the shared chain buckets: plain greedy
+    decoding's tokens, batch 3, drafts accepted as deep as a static chain's."""
+    from pathlib import Path
+
+    import specserve
+
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 14, cuda_graph_max_batch=4)
+    head = Path(specserve.__file__).parent / "heads" / "smollm2-135m-instruct"
+    params = SamplingParams(max_new_tokens=96, temperature=0.0)
+    spec = {
+        "method": "eagle3",
+        "draft_model": str(head),
+        "num_steps": 4,
+        "adaptive": {"tiers": ["off", 1, 2, 4]},
+        "device_steps": 4,
+    }
+    order = [4, 1, 2]
+    got = gpu_switches_equal_plain(
+        smollm2_gguf, mtbench_questions[:3], params, spec, order, monkeypatch, **common
+    )
+    tokens = sum(len(o.token_ids) for o in got)
+    verifies = sum(o.meta["spec_verify_ct"] for o in got)
+    assert tokens / verifies > 1.5, f"{tokens} tokens in {verifies} verifies: the chains' seeds are right"

@@ -200,10 +200,13 @@ def test_batch_1_holds_the_best_static_chain(seed):
     assert steps.count("3") >= 0.8 * len(steps)
 
 
-def _switch_after(verifies: int, settle_ms: float = 0.0, accepted: int = 4) -> int:
+def _switch_after(
+    verifies: int, settle_ms: float = 0.0, accepted: int = 4, on_device: frozenset[int] = frozenset()
+) -> int:
     """Decisions, each after `verifies` verifies, until the policy leaves a standing 1-chain for the
     4-chain, which every decision finds better (by far, with every draft `accepted`). `settle_ms`:
-    what a switch costs (the host's settle of a loop run)."""
+    what a switch costs (the host's settle of a loop run); `on_device`: the chains the engine
+    switches between on the device."""
     costs = StepCosts()
     costs.profile(VERIFY, [(1, q) for q in (1, 2, 5)], lambda b, q: LOOP_MS.get(q - 1, PLAIN_MS) * MS)
     costs.profile(DRAFT, [(1, 1)], lambda b, w: 1e-6)
@@ -212,7 +215,7 @@ def _switch_after(verifies: int, settle_ms: float = 0.0, accepted: int = 4) -> i
         tracker.observe("r", 1, drafted=4, accepted=accepted)
     tiers = [OFF, Tier.chain(1), Tier.chain(4)]
     policy = AdaptivePolicy(tiers, costs, tracker, patience=3, probe_every=10_000)
-    policy.current = Tier.chain(1)
+    policy.current, policy.switch_on_device = Tier.chain(1), on_device
     for _ in range(3):
         policy.observe_switch_cost(1, settle_ms * MS)
     for decisions in range(1, 40):
@@ -243,6 +246,28 @@ def test_a_challenger_must_win_long_enough_to_pay_for_the_switch():
     assert _switch_after(1, settle_ms=10.0, accepted=3) == 37
     assert _switch_after(RUN, settle_ms=10.0, accepted=3) == 6
     assert _switch_after(1, settle_ms=0.05, accepted=3) == 3
+
+
+def test_a_switch_between_chains_the_device_switches_between_costs_nothing():
+    """The engine's loops share the requests' state, so a switch between their chains queues the new
+    one's run behind the one in flight: no settle or setup is exposed, and `patience` alone holds
+    the challenger back. A switch to or from a chain the device cannot switch to still costs both."""
+    assert _switch_after(1, settle_ms=10.0, accepted=3, on_device=frozenset({1, 4})) == 3
+    assert _switch_after(RUN, settle_ms=10.0, accepted=3, on_device=frozenset({1, 4})) == 2
+    assert _switch_after(1, settle_ms=10.0, accepted=3, on_device=frozenset({1})) == 37
+    control = _control()  # the engine's loop chains handed over: 1-4
+    policy = control.policy
+    assert policy.switch_on_device == frozenset({1, 2, 3, 4})
+    for _ in range(3):
+        control.observe_loop(16, 1, LOOP_MS[1] * MS, settle=2 * MS)
+        control.observe_setup(16, 1 * MS)
+    one, four = Tier.chain(1), Tier.chain(4)
+    assert policy.switch_seconds(16, one, four) == policy.switch_seconds(16, four, one) == 0.0
+    assert (
+        policy.switch_seconds(16, OFF, four) == policy.switch_seconds(16, one, OFF) == pytest.approx(3 * MS)
+    )
+    control.looped_chains = frozenset({4})
+    assert policy.switch_seconds(16, one, four) == pytest.approx(3 * MS)
 
 
 def test_the_switch_cost_is_the_robust_mean_of_the_loop_settles_by_batch():

@@ -157,8 +157,10 @@ class AdaptiveSpeculation:
 
     @looped_chains.setter
     def looped_chains(self, chains: frozenset[int]) -> None:
-        """The engine's loop chains; their verify widths take no synchronous steps' residual."""
+        """The engine's loop chains; their verify widths take no synchronous steps' residual, and a
+        switch among them is queued on the device (the loops share the requests' state)."""
         self._looped_chains = frozenset(chains)
+        self.policy.switch_on_device = self._looped_chains
         self.costs.loop_widths[VERIFY] = frozenset(n + 1 for n in self._looped_chains)
 
     def use_shadow(self, lookup: Lookup) -> None:

@@ -27,7 +27,10 @@ The engine queues the next run over the same requests before it reads a run's re
 device; a finished request's row runs on idle in the runs after it while more than a quarter of
 the rows run (`carries`). Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes
 a run by the tokens a step has lately given. With adaptive speculation each chain tier has a loop, run for the
-tier the policy holds (`Engine.device_loop`).
+tier the policy holds (`Engine.device_loop`). The loops share one `LoopState` (histories, lengths,
+limits, stop ids; a head's seeds live in the draft graphs' chain buckets, shared too), so a switch of
+tier queues the new tier's run behind the one in flight (`DeviceLoop.follows`) rather than settling
+it first and setting up a fresh run while the device idles.
 """
 
 from __future__ import annotations
@@ -84,14 +87,38 @@ class LoopRecords:
     done: torch.cuda.Event | None
 
 
+class LoopState:
+    """What a request is on the device between runs, whatever the chain length: its token history,
+    length, limit and stop ids, one row per request, as wide as the largest batch bucket. The loops
+    of one engine share it; `max_steps` is the longest chain among them (limits leave room for its
+    verify), `owner` the loop whose run was queued last (a run of another loop queued behind it
+    first writes its own bucket's constants, `DeviceLoop._switch_in`)."""
+
+    def __init__(self, batch: int, max_context: int, max_steps: int, device: torch.device) -> None:
+        self.max_steps = max_steps
+        # Room for the last append past a request's limit: writes never go out of the row.
+        self.hist = torch.zeros(batch, max_context + max_steps + 1, dtype=torch.int64, device=device)
+        self.lengths = torch.ones(batch, dtype=torch.int64, device=device)
+        self.limits = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
+        self.owner: DeviceLoop | None = None
+
+
 class DeviceLoop:
     """Greedy n-gram chains of `num_steps` drafts, verified in the (batch, num_steps + 1) buckets of
     `graphs`. Its state (histories, lengths, limits, stop ids) lives in static buffers as wide as
-    the largest bucket; on CUDA one iteration, glue and forward, is captured per batch bucket (at
-    construction, over inactive rows, so the capture run changes nothing)."""
+    the largest bucket (`state`: shared with the engine's other loops; else its own); on CUDA one
+    iteration, glue and forward, is captured per batch bucket (at construction, over inactive rows,
+    so the capture run changes nothing)."""
 
     def __init__(
-        self, graphs: CudaGraphs, num_steps: int, min_match: int, max_match: int, max_context: int
+        self,
+        graphs: CudaGraphs,
+        num_steps: int,
+        min_match: int,
+        max_match: int,
+        max_context: int,
+        state: LoopState | None = None,
     ) -> None:
         self.graphs, self.num_steps = graphs, num_steps
         self.min_match, self.max_match = min_match, max_match
@@ -103,11 +130,17 @@ class DeviceLoop:
         device = graphs.page_table.device
         batch = max(self.batch_sizes, default=0)
         self.page_size = graphs.kv_cache.page_size
-        # Room for the last append past a request's limit: writes never go out of the row.
-        self.hist = torch.zeros(batch, max_context + self.query_len, dtype=torch.int64, device=device)
-        self.lengths = torch.ones(batch, dtype=torch.int64, device=device)
-        self.limits = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
+        if state is None:
+            state = LoopState(batch, max_context, num_steps, device)
+        if state.max_steps < num_steps or state.hist.shape[0] < batch:
+            raise ValueError(f"a loop of {num_steps}-chains over {batch} rows outgrows its shared state")
+        self.state = state
+        self.hist, self.lengths, self.limits, self.stops = (
+            state.hist,
+            state.lengths,
+            state.limits,
+            state.stops,
+        )
         self.records = torch.zeros(batch, self.query_len + 2, dtype=torch.int64, device=device)
         # The glue around each forward: one Triton launch each on CUDA, the torch references else.
         kernels = use_triton(device)
@@ -137,17 +170,35 @@ class DeviceLoop:
 
     def limit(self, req: Request, max_model_len: int) -> int:
         """Tokens the request may reach in the loop: its own limits, and a verify's last position
-        inside the graphs' context."""
+        inside the graphs' context for the longest chain sharing the state (a limit holds across
+        switches of tier)."""
         own = len(req.token_ids) + min(
             req.params.max_new_tokens - req.num_output, max_model_len - len(req.token_ids)
         )
-        return min(own, self.max_context - self.num_steps + 1)
+        return min(own, self.max_context - self.state.max_steps + 1)
 
     def reach(self, req: Request, limit: int, iterations: int, ahead: int = 0) -> int:
         """Token slots a run of `iterations` may write KV to (up to its last verify's last
-        position), starting `ahead` iterations past the request's known tokens (a run in flight)."""
-        start = min(limit, len(req.token_ids) + ahead * self.query_len)
+        position), starting up to `ahead` tokens past the request's known ones (a run in flight:
+        its steps times its own loop's query length)."""
+        start = min(limit, len(req.token_ids) + ahead)
         return min(limit - 1, start + (iterations - 1) * self.query_len) + self.num_steps
+
+    def bucket(self, batch: int) -> int:
+        """The batch bucket a run over `batch` rows takes."""
+        return next(b for b in self.batch_sizes if b >= batch)
+
+    def follows(self, other: DeviceLoop, batch: int) -> bool:
+        """Whether a run of this loop over `batch` rows can be queued behind a run of `other` over
+        the same rows, the requests' state staying on the device: the same loop, or one sharing its
+        state whose run takes the same batch bucket (the rows past the batch stay the pad rows)."""
+        if other is self:
+            return True
+        return (
+            other.state is self.state
+            and batch <= self.max_batch
+            and self.bucket(batch) == other.bucket(batch)
+        )
 
     def launch(
         self,
@@ -159,15 +210,19 @@ class DeviceLoop:
     ) -> LoopRecords:
         """Queue `iterations` speculative steps of `reqs` (pages reserved up to `reach`, every
         request `loop_ready`); `stop_ids`: per request, the ids that end it (at most MAX_STOPS).
-        `resume`: the same requests go on from where the run before left them on the device (only
-        their page tables are copied again: pages reserved since). The host waits for nothing:
-        the records copy to the host behind the steps, for `collect`."""
+        `resume`: the same requests go on from where the run before left them on the device, that
+        run this loop's or one it `follows` (only their page tables are copied again: pages reserved
+        since). The host waits for nothing: the records copy to the host behind the steps, for
+        `collect`."""
         n = len(reqs)
-        batch = next(b for b in self.batch_sizes if b >= n)
+        batch = self.bucket(n)
         if resume:
             self._copy_pages(reqs, batch)
+            if self.state.owner is not self:
+                self._switch_in(batch)
         else:
             self._setup(reqs, limits, stop_ids, batch)
+        self.state.owner = self
         out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
         graph = self.loop_graphs.get(batch)
         for step in range(iterations):
@@ -240,6 +295,14 @@ class DeviceLoop:
         target = self.argmax(logits).view(batch, self.query_len)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
         return graph, target, hidden if aux is None else aux
+
+    def _switch_in(self, batch: int) -> None:
+        """A run queued behind another loop's over the same rows: this bucket's constants, which
+        `_setup` would have written (its query starts: every row num_steps + 1 tokens). Queued on
+        the device, behind the run in flight."""
+        k = self.query_len
+        starts = self.graphs.graphs[(batch, k)].attention.query_start
+        torch.mul(torch.arange(batch + 1, dtype=starts.dtype, device=starts.device), k, out=starts)
 
     def _copy_pages(self, reqs: list[Request], batch: int) -> None:
         pages = self.graphs.page_table.shape[1]
@@ -330,7 +393,7 @@ def make_device_loops(
     graphs: CudaGraphs | None,
     max_context: int,
     single_rank: bool,
-    head_loop: Callable[[int], DeviceLoop] | None = None,
+    head_loop: Callable[[int, LoopState], DeviceLoop] | None = None,
 ) -> tuple[dict[int, DeviceLoop], int]:
     """The engine's loops by chain length (the configured chain, or with adaptive speculation each
     chain tier's) and their steps a run; none where the loop does not apply. `single_rank`: TP size
@@ -361,12 +424,14 @@ def make_device_loops(
         lengths = sorted({t.num_steps for t in configured_tiers(spec) if not t.off and t.topk == 1})
     else:
         lengths = [spec.num_steps] if spec.topk == 1 else []
+    state = LoopState(
+        max(graphs.buckets.batch_sizes), max_context, max(lengths, default=1), graphs.page_table.device
+    )
     if head_loop is not None:
-        loops = {k: head_loop(k) for k in lengths}
+        loops = {k: head_loop(k, state) for k in lengths}
     else:
-        loops = {
-            k: DeviceLoop(graphs, k, spec.ngram_min_match, spec.ngram_max_match, max_context) for k in lengths
-        }
+        match = spec.ngram_min_match, spec.ngram_max_match
+        loops = {k: DeviceLoop(graphs, k, *match, max_context, state) for k in lengths}
     loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
     return loops, (steps if loops else 0)
 

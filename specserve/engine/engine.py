@@ -607,11 +607,12 @@ class Engine:
     def _loop_launch(self, flight: LoopFlight | None) -> LoopFlight | None:
         """A run over every running request when all are ready for the loop and none waits, with
         pages for every position it may reach; None otherwise. Queued behind `flight`, it goes on
-        over that run's rows while they `carries`: a finished request's row runs on idle."""
+        over that run's rows while they `carries`: a finished request's row runs on idle; a switch
+        of chain length queues the new length's run there too (`DeviceLoop.follows`)."""
         loop, reqs = self.device_loop, self.scheduler.running
         if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
             return None
-        if flight is not None and (loop is not flight.loop or not carries(flight, reqs)):
+        if flight is not None and not (loop.follows(flight.loop, len(flight.reqs)) and carries(flight, reqs)):
             return None
         if not all(loop_ready(r) for r in reqs):
             return None
@@ -629,8 +630,9 @@ class Engine:
         steps = plan_steps(lengths, [limit for _, limit in live], ahead, self._loop_rate, self._loop_steps)
         if steps <= 0:
             return None
+        ahead_tokens = 0 if flight is None else flight.steps * flight.loop.query_len  # its own chains'
         for req, limit in live:
-            if not self.kv.reserve(req, loop.reach(req, limit, steps, ahead)):
+            if not self.kv.reserve(req, loop.reach(req, limit, steps, ahead_tokens)):
                 if flight is None:  # the scheduler's step (and its retraction) takes over
                     for held in reqs:
                         self.kv.trim(held, len(held.token_ids))

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.device_loop import DeviceLoop
+from specserve.engine.device_loop import DeviceLoop, LoopState
 from specserve.engine.host_copy import to_device
 from specserve.engine.request import Request
 from specserve.executor.cuda_graphs import CudaGraphs
@@ -48,7 +48,14 @@ class HeadDeviceLoop(DeviceLoop):
     """Greedy chains of `num_steps` drafts from `drafter`'s head (its draft graphs' chain buckets
     hold the loop's drafting state), verified in the (batch, num_steps + 1) buckets of `graphs`."""
 
-    def __init__(self, graphs: CudaGraphs, drafter: HeadDrafter, num_steps: int, max_context: int) -> None:
+    def __init__(
+        self,
+        graphs: CudaGraphs,
+        drafter: HeadDrafter,
+        num_steps: int,
+        max_context: int,
+        state: LoopState | None = None,
+    ) -> None:
         self.drafter = drafter
         self.draft_graphs: DraftGraphs = drafter.graphs
         device = graphs.page_table.device
@@ -56,7 +63,7 @@ class HeadDeviceLoop(DeviceLoop):
         self.given = torch.zeros(most, num_steps, dtype=torch.int64, device=device)
         self.steps_left = torch.full((most,), num_steps - 1, dtype=torch.int64, device=device)
         self.settle = extend_settle if use_triton(device) else extend_settle_ref
-        super().__init__(graphs, num_steps, 1, 1, max_context)
+        super().__init__(graphs, num_steps, 1, 1, max_context, state)
 
     def ready(self, req: Request) -> bool:
         """The head has extended over every verified token and seeded the next chain."""
@@ -103,6 +110,14 @@ class HeadDeviceLoop(DeviceLoop):
         if isinstance(seeds, torch.Tensor):
             bucket.ids[:n].copy_(seeds)
         torch.stack([s.tails for s in states], out=bucket.tails[:n])
+
+    def _switch_in(self, batch: int) -> None:
+        """Behind another chain length's run: each active row's chain steps are this loop's (the
+        chain bucket's seeds, tails and positions are any length's), as `extend_settle` sets them."""
+        super()._switch_in(batch)
+        bucket = self.draft_graphs.chain[batch]
+        active = self.lengths[:batch] < self.limits[:batch]
+        torch.mul(self.steps_left[:batch], active, out=bucket.steps[:batch])
 
     def _copy_pages(self, reqs: list[Request], batch: int) -> None:
         super()._copy_pages(reqs, batch)
@@ -156,13 +171,14 @@ class HeadDeviceLoop(DeviceLoop):
 
 def head_loop_factory(
     drafter: object, graphs: CudaGraphs | None, max_context: int, spec: SpeculativeConfig | None
-) -> Callable[[int], DeviceLoop] | None:
-    """How the engine builds a head's loop of a chain length (the configured chain's, or each chain
-    tier's under adaptive speculation: they share the draft graphs' chain buckets, each run seeding
-    them from the requests' head state), or None where a head cannot draft on the device: no chain
-    graphs, or more than one step module."""
+) -> Callable[[int, LoopState], DeviceLoop] | None:
+    """How the engine builds a head's loop of a chain length over the loops' shared state (the
+    configured chain's, or each chain tier's under adaptive speculation: they share the draft
+    graphs' chain buckets, a fresh run seeding them from the requests' head state, a switch of tier
+    going on from what the last run left there), or None where a head cannot draft on the device:
+    no chain graphs, or more than one step module."""
     if not isinstance(drafter, HeadDrafter) or graphs is None or drafter.graphs is None:
         return None
     if drafter.num_modules != 1 or not drafter.graphs.chain or spec is None:
         return None
-    return lambda num_steps: HeadDeviceLoop(graphs, drafter, num_steps, max_context)
+    return lambda num_steps, state: HeadDeviceLoop(graphs, drafter, num_steps, max_context, state)

@@ -203,6 +203,9 @@ class AdaptivePolicy:
         self._decisions = 0
         self.hopeless = False  # the last decision was off with no tier able to win (`_hopeless`)
         self.current: Tier | None = None
+        # Chain lengths whose runs the engine queues on the device behind each other's (its device
+        # loops share the requests' state): a switch among them exposes no settle and no setup
+        self.switch_on_device: frozenset[int] = frozenset()
         self.switches = 0
         self.switches_at: Counter[int] = Counter()  # batch -> switches decided there
         self.measured_goodput = 0.0
@@ -299,15 +302,21 @@ class AdaptivePolicy:
         leaves the device idle for that too, after the settle."""
         self.costs.observe(SETUP, batch, 1, seconds)
 
-    def switch_seconds(self, batch: int) -> float:
-        """What a switch costs at `batch`: the cost tables' `SETTLE` and `SETUP`, each where measured
-        (none: a synchronous engine, whose step after a switch is as dear as any). Priced by the
-        settle alone, a switch at batch 64 on the H200 was 2.7-4.0 ms, less than half of what it
-        left the device idle for (6.7-9.7 ms with the setup), and n-gram tiers within 3% of each
+    def switch_seconds(self, batch: int, start: Tier | None = None, end: Tier | None = None) -> float:
+        """What a switch from `start` to `end` costs at `batch`: nothing between chains the device
+        switches between (`switch_on_device`), else the cost tables' `SETTLE` and `SETUP`, each where
+        measured (none: a synchronous engine, whose step after a switch is as dear as any). Priced
+        by the settle alone, a switch at batch 64 on the H200 was 2.7-4.0 ms, less than half of what
+        it left the device idle for (6.7-9.7 ms with the setup), and n-gram tiers within 3% of each
         other took turns (59 switches, 0.95x the best static chain; docs/benchmarks.md,
         twenty-third session)."""
+        if start is not None and end is not None and self._on_device(start) and self._on_device(end):
+            return 0.0
         costs = self.costs
         return sum(costs.estimate(kind, batch, 1) for kind in (SETTLE, SETUP) if costs.measures(kind))
+
+    def _on_device(self, tier: Tier) -> bool:
+        return tier.topk == 1 and tier.num_steps in self.switch_on_device
 
     def observe_outcome(self, tier: Tier, batch: int, tokens: int, seconds: float, predicted: float) -> None:
         """A steady step (or device-loop run) of `tier` over `batch` requests emitted `tokens` in
@@ -745,7 +754,7 @@ class AdaptivePolicy:
         if not grown:
             self._streak = self._streak + verifies if best == self._challenger else 1
             self._challenger = best
-            if self._streak < self._patience_for(scores[best], scores[self.current]):
+            if self._streak < self._patience_for(best, scores[best], scores[self.current]):
                 return False
         self.current, self._challenger, self._streak, self._chosen_at = best, None, 0, batch
         self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
@@ -754,11 +763,11 @@ class AdaptivePolicy:
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
         return True
 
-    def _patience_for(self, challenger: float, standing: float) -> float:
-        """Verifies a challenger scoring `challenger` must win for against the standing tier's
+    def _patience_for(self, tier: Tier, challenger: float, standing: float) -> float:
+        """Verifies `tier`, scoring `challenger`, must win for against the standing tier's
         `standing` before a switch: `patience`, or as many as its gain takes to pay for the switch's
         own cost at this batch (the module docstring), whichever is more."""
-        cost = self.switch_seconds(self.last_batch)
+        cost = self.switch_seconds(self.last_batch, self.current, tier)
         if cost <= 0 or standing <= 0:
             return self.patience
         step = self.step_seconds(self.current, self.last_batch)
