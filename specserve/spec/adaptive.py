@@ -12,8 +12,9 @@ step's cost. The best tier replaces the current one only when it beats it by `hy
 `patience` verifies (decisions in a row, synchronously; a device loop's engine step settles a run of
 up to 8), so noise in the estimates does not make the engine flap between shapes (each switch may
 mean other CUDA graphs and a cold draft cache). Where a switch costs time of its own (a device loop's
-runs are queued back to back while the tier stands, and a switch exposes the host's settle of the
-last run and the setup of a fresh one, `observe_switch_cost` and `observe_setup_cost`), the
+runs are queued back to back, and a switch to or from speculation off exposes the host's settle of
+the last run and the setup of a fresh one, `observe_switch_cost` and `observe_setup_cost`; between
+the loops' chain lengths the next run is queued on the device as well, `switch_on_device`: no cost), the
 challenger must win long enough for its gain to have paid for one: its streak in verifies at least
 the switch's seconds over the gain's per verify of the standing tier (`_patience_for`). A gain of 5% pays for a 4 ms settle at batch 64 (1.4 ms loop steps) in ~57
 verifies. Counted as 3, an A/B in one call on the H200 (the shipped head, MT-Bench) made 0.93 / 0.82
