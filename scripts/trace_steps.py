@@ -24,6 +24,11 @@ over finished requests' rows while more than 1/share of them run; 0 never), on t
 
 TRACE_DATA names the data set (default mt-bench) or a prompts file, as `specserve bench --dataset`.
 
+TRACE_SEQ=1 prints, for every traced run, its steps in order, run-length encoded as
+kind@tier[running requests], and the adaptive policy's calibrated scores wherever its standing tier
+changed (the first step of a row of plain steps while the tier stands is a plain-price probe,
+`AdaptivePolicy._probe_off`, not a switch).
+
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
 """
 
@@ -58,6 +63,7 @@ SLOW_MS = float(os.environ.get("TRACE_SLOW_MS", "0"))
 DATA = os.environ.get("TRACE_DATA", "mt-bench")
 PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
 CARRY = [int(b) for b in os.environ.get("TRACE_CARRY", "").split(",") if b] or [device_loop.CARRY_SHARE]
+SEQUENCE = os.environ.get("TRACE_SEQ", "0") != "0"
 
 
 # (mean context, seconds per iteration) of every loop run queued behind the one before, by chain length
@@ -71,6 +77,28 @@ def _kind(engine, flight_before: bool, flight_after: bool) -> str:
     if flight_before:
         return "loop" if flight_after else "loop-last"
     return "loop-first" if flight_after else "sync"
+
+
+def _run_lengths(items: list[str]) -> str:
+    out: list[list] = []
+    for item in items:
+        if out and out[-1][0] == item:
+            out[-1][1] += 1
+        else:
+            out.append([item, 1])
+    return " ".join(f"{item}x{n}" if n > 1 else item for item, n in out)
+
+
+def _note_switch(policy, step: int, notes: list[str]) -> None:
+    """Where the policy's standing tier changed: its calibrated scores (tokens/s) then."""
+    current = policy.current.name if policy.current is not None else "-"
+    if getattr(policy, "_traced_current", None) == current:
+        return
+    policy._traced_current = current
+    scored = policy._scored
+    scores = policy._calibrated(scored) if scored is not None else {}
+    cells = " ".join(f"{t.name}:{v:,.0f}" for t, v in sorted(scores.items()))
+    notes.append(f"  step {step}: now {current} at batch {policy.last_batch}; scores {cells}")
 
 
 def context_fit(samples: list[tuple[float, float]]) -> str:
@@ -97,6 +125,8 @@ def traced_run(
     times: dict[str, list[float]] = defaultdict(list)
     per_iter = ITERATIONS
     stamps: list[tuple[float, float]] = []
+    sequence: list[str] = []  # TRACE_SEQ: each step's kind@tier[running requests]
+    notes: list[str] = []  # TRACE_SEQ: the policy's scores where its standing tier changed
     original = engine.step
     profiler = cProfile.Profile() if profile else None
 
@@ -130,6 +160,9 @@ def traced_run(
             kind = _kind(engine, before, engine._loop_flight is not None)
         if engine.adaptive is not None:  # which tier each kind of step ran
             kind = f"{kind}@{engine.adaptive.tier.name}"
+            if SEQUENCE:
+                sequence.append(f"{kind}[{len(engine.scheduler.running)}]")
+                _note_switch(engine.adaptive.policy, len(stamps), notes)
         times[kind].append(end - start)
         stamps.append((start, end))
         return out
@@ -181,6 +214,9 @@ def traced_run(
         times["planned iterations"] = [0.0] * sum(planned)
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+    if sequence:
+        print("steps: " + _run_lengths(sequence))
+        print("\n".join(notes))
     gaps = [b[0] - a[1] for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
     verifies = [o.meta.get("spec_verify_ct", 0) for o in outs]
     return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies

@@ -219,6 +219,32 @@ def test_a_batch_of_fresh_requests_holds_the_standing_tier():
     assert policy.decide(fresh).switched and policy.current == OFF
 
 
+def test_a_fresh_batch_grown_since_off_was_chosen_resumes_the_last_speculative_tier():
+    """A batch's tail goes off for its last tokens; the next batch of fresh requests, four times as
+    large, goes back to the speculative tier that stood and decides once its requests verified. A
+    fresh batch no larger than the one off was chosen at stays off, as does a policy never on."""
+    costs = _gpu_like_costs()
+    acceptance = AcceptanceTracker(4, prior=0.9)
+    policy = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, patience=3)
+    assert policy.decide(["a", "b"]).tier == Tier.chain(4)
+    for _ in range(200):  # the pool, and the tail's last request: every draft fails
+        acceptance.observe("x", 1, drafted=4, accepted=0)
+    acceptance.observe("a", 1, drafted=4, accepted=0)
+    assert [policy.decide(["a"]).tier for _ in range(3)] == [Tier.chain(4)] * 2 + [OFF]
+    fresh = ["c", "d", "e", "f"]  # four times batch 1
+    decision = policy.decide(fresh)
+    assert decision.switched and decision.tier == policy.current == Tier.chain(4)
+    assert [policy.decide(fresh).tier for _ in range(3)] == [Tier.chain(4)] * 3  # held while fresh
+    acceptance.observe("c", 1, drafted=4, accepted=0)  # verified: the grown batch decides at once
+    assert policy.decide(fresh).switched and policy.current == OFF
+    assert policy.switches == 3
+    # off chosen at batch 4: the next fresh batch of 4 decides as ever (off)
+    assert [policy.decide(["g", "h", "i", "j"]).tier for _ in range(3)] == [OFF] * 3
+    never_on = AdaptivePolicy([OFF, Tier.chain(4)], costs, acceptance, patience=3)
+    assert never_on.decide(["a"]).tier == OFF
+    assert never_on.decide(fresh).tier == OFF
+
+
 def test_probe_while_off_and_goodput_average():
     costs = _gpu_like_costs()
     acceptance = AcceptanceTracker(4, prior=0.01)

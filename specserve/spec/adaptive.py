@@ -204,6 +204,7 @@ class AdaptivePolicy:
         self._decisions = 0
         self.hopeless = False  # the last decision was off with no tier able to win (`_hopeless`)
         self.current: Tier | None = None
+        self._last_on: Tier | None = None  # the last speculative tier that stood (`_resumes`)
         # Chain lengths whose runs the engine queues on the device behind each other's (its device
         # loops share the requests' state): a switch among them exposes no settle and no setup
         self.switch_on_device: frozenset[int] = frozenset()
@@ -717,11 +718,25 @@ class AdaptivePolicy:
     def _known(self, ids: tuple[str, ...]) -> bool:
         """Whether any of the batch's requests has verified a draft: a batch of fresh ones (a bench
         batch's first steps, a server's after idling) reads the pool's rates alone, which the
-        previous answers' ends set, and no tier is chosen on those (`_hold`), unless speculation is
-        off: its steps verify nothing, and held off a batch waited for a probe (simulated mixed
-        prompts at batch 4: off for 311 of 337 steps, 0.95x the best static chain against 0.97x)."""
+        previous answers' ends set, and no tier is chosen on those (`_hold`). Speculation off decides
+        as ever, its steps verify nothing and held off a batch waited for a probe (simulated mixed
+        prompts at batch 4: off for 311 of 337 steps, 0.95x the best static chain against 0.97x),
+        unless a fresh batch grew GROWTH_RESET-fold since off was chosen (`_resumes`)."""
         current = self.current
-        return current is None or current.off or any(self.acceptance.known(ids, k) for k in self._topks)
+        if current is None:
+            return True
+        if current.off and not self._resumes(len(ids)):
+            return True
+        return any(self.acceptance.known(ids, k) for k in self._topks)
+
+    def _resumes(self, batch: int) -> bool:
+        """Off, chosen at a batch a quarter of this one or less, with a speculative tier to go back to:
+        a batch's tail goes off for its last tokens (a request with one left emits one whatever the
+        tier), and the next batch of fresh requests would start off, leaving it only after
+        `patience` plain steps scored on the pool's rates. `scripts/adaptive_sim.py` (six seeds):
+        on the mixed prompts adaptive over the best static chain went from 0.970 / 0.973 to 0.993 /
+        1.005 at batch 16 / 64, MT-Bench as before (docs/benchmarks.md, twenty-fifth session)."""
+        return self._last_on is not None and 0 < GROWTH_RESET * self._chosen_at <= batch
 
     def _hold(self) -> bool:
         """The standing tier runs on, no challenger gaining on it, and a grown batch decides afresh
@@ -729,9 +744,14 @@ class AdaptivePolicy:
         to the 8-chain on the first step of most batches of 4 and 16 (MT-Bench) and back a run or
         two later, when the requests' own misses came in (12 switches on a batch's first step in
         one MT-Bench row of batches 1-64); the head's batch 16 chose the 4-chain on its first step
-        and held it for the row (docs/benchmarks.md, twenty-second session)."""
+        and held it for the row (docs/benchmarks.md, twenty-second session). Off held so
+        (`_resumes`) goes back to the last speculative tier that stood, and the batch, grown since
+        off was chosen, decides afresh once its requests have verified."""
         self._challenger, self._streak = None, 0
-        return False
+        if self.current is None or not self.current.off or self._last_on is None:
+            return False
+        self._set_current(self._last_on, self._chosen_at)
+        return True
 
     def _update(self, best: Tier, scores: dict[Tier, float], verifies: int = 1) -> bool:
         """Switch to `best` once it has won by `hysteresis` over `patience` verifies: the decision
@@ -741,6 +761,7 @@ class AdaptivePolicy:
         batch = self.last_batch
         if self.current is None:
             self.current, self._chosen_at = best, batch
+            self._last_on = None if best.off else best
             return False
         # Grown GROWTH_RESET-fold since the standing tier was chosen: a new regime, whose best tier
         # takes over at once (the standing one was chosen for another batch)
@@ -757,12 +778,18 @@ class AdaptivePolicy:
             self._challenger = best
             if self._streak < self._patience_for(best, scores[best], scores[self.current]):
                 return False
-        self.current, self._challenger, self._streak, self._chosen_at = best, None, 0, batch
+        self._set_current(best, batch)
+        return True
+
+    def _set_current(self, tier: Tier, chosen_at: int) -> None:
+        """A switch to `tier`, counted as chosen at batch `chosen_at`."""
+        self.current, self._challenger, self._streak, self._chosen_at = tier, None, 0, chosen_at
+        if not tier.off:
+            self._last_on = tier
         self._since_probe = self._off_left = 0  # each regime counts its own steps to its first probe
         self.switches += 1
         self.switches_at[self.last_batch] += 1
         self.probe_interval = self.probe_every  # a new regime: probe at the base rate when off again
-        return True
 
     def _patience_for(self, tier: Tier, challenger: float, standing: float) -> float:
         """Verifies `tier`, scoring `challenger`, must win for against the standing tier's
