@@ -16,6 +16,9 @@ per request each:
   taken count capped by the request's limit and cut after its first stop id, the append, the
   record [argmax row, taken, drafted], and the new length (limit 0 once stopped).
 
+With k = 0 drafts the same two launches run plain greedy decoding (no lookup; the input is each
+request's last token, the accept takes its argmax), the loop of engines without speculation.
+
 The references are the torch code the loop ran before (`ngram_chain_drafts`: the lookup over whole
 [B, W] rows at once, which `tests/test_ngram_device.py` checks against `NgramDrafter.propose` draft
 for draft); the kernels equal them bit for bit on every output, including the draft ids of invalid
@@ -208,8 +211,7 @@ def loop_prepare(
     _check_prepare(hist, lengths, limits, page_table, ids, positions, slots, seq_lens, num_steps, max_match)
     _check_given(given, hist.shape[0], num_steps, hist.device)
     batch, width = hist.shape
-    drafts = torch.empty(batch, num_steps, dtype=torch.int64, device=hist.device)
-    valid = torch.empty(batch, num_steps, dtype=torch.bool, device=hist.device)
+    drafts, valid = _draft_buffers(batch, num_steps, hist.device)
     if batch:
         _loop_prepare_kernel[(batch,)](
             hist,
@@ -232,7 +234,7 @@ def loop_prepare(
             PAGE_SIZE=page_size,
             BLOCK=min(SCAN_BLOCK, max(16, triton.next_power_of_2(width))),
             BLOCK_Q=max(2, triton.next_power_of_2(num_steps + 1)),
-            LOOKUP=given is None,
+            LOOKUP=given is None and num_steps > 0,
         )
     return drafts, valid
 
@@ -332,7 +334,9 @@ def loop_prepare_ref(
     _check_prepare(hist, lengths, limits, page_table, ids, positions, slots, seq_lens, num_steps, max_match)
     _check_given(given, hist.shape[0], num_steps, hist.device)
     query = num_steps + 1
-    if given is None:
+    if num_steps == 0:  # plain decoding: nothing to look up
+        drafts, valid = _draft_buffers(hist.shape[0], 0, hist.device)
+    elif given is None:
         drafts, valid = ngram_chain_drafts(hist, lengths, num_steps, min_match, max_match)
     else:
         drafts, valid = given.clone(), torch.ones_like(given, dtype=torch.bool)
@@ -386,6 +390,15 @@ def loop_accept_ref(
     limits.copy_(torch.where(stopped, 0, limits))
 
 
+def _draft_buffers(batch: int, num_steps: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty drafts [B, k] int64 and valid [B, k] bool; with k = 0 (plain decoding) views of one
+    column, so that the kernels' (fully masked) draft pointers are real allocations."""
+    width = max(num_steps, 1)
+    drafts = torch.empty(batch, width, dtype=torch.int64, device=device)[:, :num_steps]
+    valid = torch.empty(batch, width, dtype=torch.bool, device=device)[:, :num_steps]
+    return drafts, valid
+
+
 def _int64(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
     if t.dtype != torch.int64 or tuple(t.shape) != shape or t.device != device:
         raise ValueError(
@@ -399,8 +412,8 @@ def _check_prepare(
     """Shapes, dtypes and layouts (no value checks: those would sync, and the loop is captured)."""
     if hist.dim() != 2 or hist.stride(1) != 1:
         raise ValueError(f"hist: expected a [B, W] tensor with unit-stride rows, got {list(hist.shape)}")
-    if num_steps < 1 or max_match < 1:
-        raise ValueError(f"num_steps, max_match: expected >= 1, got {num_steps}, {max_match}")
+    if num_steps < 0 or max_match < 1:
+        raise ValueError(f"num_steps, max_match: expected >= 0 and >= 1, got {num_steps}, {max_match}")
     batch, device = hist.shape[0], hist.device
     _int64("hist", hist, tuple(hist.shape), device)
     for name, t in (("lengths", lengths), ("limits", limits), ("seq_lens", seq_lens)):
@@ -424,9 +437,9 @@ def _check_given(given: torch.Tensor | None, batch: int, num_steps: int, device:
 
 
 def _check_accept(target, drafts, valid, hist, lengths, limits, stops, records) -> None:
-    if target.dim() != 2 or target.shape[1] < 2 or not target.is_contiguous():
+    if target.dim() != 2 or target.shape[1] < 1 or not target.is_contiguous():
         raise ValueError(
-            f"target: expected a contiguous [B, k + 1] tensor (k >= 1), got {list(target.shape)}"
+            f"target: expected a contiguous [B, k + 1] tensor (k >= 0), got {list(target.shape)}"
         )
     batch, query = target.shape
     device = target.device

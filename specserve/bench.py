@@ -38,6 +38,7 @@ from specserve.types import SamplingParams
 
 PLAIN = spec_name(None)
 HF = "hf-generate"
+PLAIN_SYNC = "specserve-sync"  # plain decoding without the device loop (`--plain-sync`)
 HF_PROMPT_LOOKUP = "hf-generate-prompt-lookup"
 WARMUP_TOKENS = 8
 
@@ -118,6 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hf", dest="peer", action="store_const", const="hf", help="same as --peer hf")
     parser.add_argument(
+        "--plain-sync",
+        action="store_true",
+        help=f"also time plain decoding with every step from the host ({PLAIN_SYNC}: decode_steps 0), "
+        "beside the default, whose greedy steps run in the device loop where graphs are captured",
+    )
+    parser.add_argument(
         "--url",
         default=None,
         help="also send the workload to a running server (native /generate) at this URL",
@@ -183,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         prompts, args, max(map(draft_slots, specs)), max(batch_sizes)
     )
     engines = {spec_name(spec): _engine(args, loaded, spec, max(batch_sizes), pool) for spec in specs}
+    if args.plain_sync:
+        engines[PLAIN_SYNC] = _engine(args, loaded, None, max(batch_sizes), pool, decode_steps=0)
     plain = engines[PLAIN]
     hf = _load_hf(plain) if args.peer == "hf" else None
     lookup = _prompt_lookup_tokens(specs, args.num_steps or DEFAULT_NUM_STEPS)
@@ -234,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "systems": {
             **{spec_name(spec): {"speculative": spec} for spec in specs},
+            **({PLAIN_SYNC: {"speculative": None, "decode_steps": 0}} if args.plain_sync else {}),
             **({HF: {"peer": "hf"}, HF_PROMPT_LOOKUP: {"prompt_lookup_num_tokens": lookup}} if hf else {}),
         },
         "rows": [asdict(r) for r in rows],
@@ -279,7 +289,14 @@ def _pool_tokens(prompts: list[list[int]], args: argparse.Namespace, slots: int,
     return batch * (longest + new + slots + 1 + 2 * args.page_size)
 
 
-def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batch: int, pool: int):
+def _engine(
+    args: argparse.Namespace,
+    loaded,
+    speculative: dict | None,
+    max_batch: int,
+    pool: int,
+    decode_steps: int | None = None,
+):
     from specserve import LLM
 
     return LLM(
@@ -292,6 +309,7 @@ def _engine(args: argparse.Namespace, loaded, speculative: dict | None, max_batc
         max_running_requests=max_batch,
         max_batched_tokens=8192,
         speculative=speculative,
+        decode_steps=decode_steps,
     )
 
 

@@ -394,6 +394,11 @@ class EngineConfig:
     # (None: on without speculative decoding at TP size 1, and for adaptive speculation's plain steps
     # when its drafter reads no target features (n-gram, standalone); not available otherwise yet).
     overlap_schedule: bool | None = None
+    # Greedy decode steps a device-loop run queues without speculative decoding (multi-step
+    # decoding: each step's input, forward, argmax and append on the device, the host reading a
+    # run's tokens once; specserve/engine/device_loop.py). None: SPECSERVE_DEVICE_STEPS (8) where
+    # graphs are captured (CUDA, TP size 1, no recurrent layers); 0: every step from the host.
+    decode_steps: int | None = None
     seed: int = 0
     # Ranks of the target's tensor-parallel group (rank 0 runs this engine; see specserve/executor/).
     tp_size: int = 1
@@ -431,6 +436,16 @@ class EngineConfig:
             self.overlap_schedule is not True or self.speculative is None,
             "overlap_schedule",
             "works without speculative decoding only (so far)",
+        )
+        _require(
+            self.decode_steps is None or (_is_count(self.decode_steps, 0) and self.decode_steps <= 64),
+            "decode_steps",
+            "must be null or an integer in [0, 64]",
+        )
+        _require(
+            not self.decode_steps or self.speculative is None,
+            "decode_steps",
+            "applies without speculative decoding (speculative.device_steps sets a speculative engine's)",
         )
         _require(
             _is_count(self.cuda_graph_max_batch),

@@ -27,6 +27,8 @@ class LLM:
     `cuda_graph_max_batch` (default: on with the Triton backend on CUDA), and prompts of up to
     `cuda_graph_prefill_tokens` tokens a step (default 512 on CUDA). `overlap_schedule`: the
     host prepares step n+1 while the device runs step n (default: on without speculation).
+    `decode_steps`: without speculation, greedy requests decode this many steps a run on the device
+    before the host reads their tokens (default 8 where CUDA graphs are captured; 0: off).
     `speculative` turns on speculative decoding: a `SpeculativeConfig`, a dict of its fields
     (e.g. `{"method": "ngram", "num_steps": 4}`), a method name, or "default": the draft head
     trained for the model when one ships with specserve (docs/draft-training.md), else n-gram.
@@ -58,6 +60,7 @@ class LLM:
         cuda_graph_max_batch: int = 64,
         cuda_graph_prefill_tokens: int | None = None,
         overlap_schedule: bool | None = None,
+        decode_steps: int | None = None,
     ) -> None:
         loaded = model if isinstance(model, LoadedModel) else None
         config = EngineConfig(
@@ -70,6 +73,7 @@ class LLM:
             cuda_graph_max_batch=cuda_graph_max_batch,
             cuda_graph_prefill_tokens=cuda_graph_prefill_tokens,
             overlap_schedule=overlap_schedule,
+            decode_steps=decode_steps,
             seed=seed,
             speculative=SpeculativeConfig.from_value(speculative, loaded.location.name if loaded else model),
             cache=CacheConfig(

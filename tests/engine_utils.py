@@ -215,7 +215,7 @@ def gpu_switches_equal_plain(gguf, prompts, params, spec: dict, order: Sequence[
     held (`check_loop_reservations`), and switches happened on the device. Returns its outputs."""
     from specserve import LLM
 
-    plain = LLM(str(gguf), **common)
+    plain = LLM(str(gguf), decode_steps=0, **common)  # every step from the host
     want = plain.generate(prompts, params)
     del plain
     looped = LLM(str(gguf), speculative=spec, **common)

@@ -127,13 +127,14 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1,3", "--max-new-tokens", "4"]
     argv += ["--device", "cpu", "--hf", "--spec", "ngram:3", "--spec", "ngram:3x2x4", "--out", str(out)]
-    argv += ["--spec", "ngram:adaptive-3", "--min-prompts", "2", "--min-batches", "2"]
+    argv += ["--spec", "ngram:adaptive-3", "--min-prompts", "2", "--min-batches", "2", "--plain-sync"]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["attention_backend"] == "torch"  # auto on the CPU
     assert report["command"].startswith("specserve bench --model") and report["device"] == "cpu"
     assert report["mode"] == "offline" and report["dtype"] == "float32" and report["gpu"] is None
     assert report["systems"]["specserve-ngram-3"]["speculative"] == {"method": "ngram", "num_steps": 3}
+    assert report["systems"]["specserve-sync"] == {"speculative": None, "decode_steps": 0}
     rows = {(r["system"], r["batch_size"]): r for r in report["rows"]}
     assert set(rows) == {
         *(
@@ -143,6 +144,7 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
                 "specserve-ngram-3",
                 "specserve-ngram-3x2x4",
                 "specserve-ngram-3-adaptive",
+                "specserve-sync",
                 "hf-generate",
             )
             for b in (1, 3)

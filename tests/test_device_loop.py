@@ -1,4 +1,5 @@
-"""The device loop (`specserve/engine/device_loop.py`): greedy n-gram chains queued back to back.
+"""The device loop (`specserve/engine/device_loop.py`): greedy n-gram chains queued back to back,
+and plain greedy decoding the same way (chains of no drafts, `decode_steps`).
 
 On the CPU the loop runs the verify bucket's static buffers eagerly (no capture), the same code
 that replays graphs on a GPU. Its tokens must be exactly plain greedy decoding's, through length
@@ -29,6 +30,8 @@ from engine_utils import (
 )
 
 LOOP = {"method": "ngram", "num_steps": 4, "device_steps": 4}
+# The loops most tests run: n-gram chains, and plain decoding in the loop (no speculation).
+KINDS = ["ngram", "plain"]
 
 
 @pytest.fixture
@@ -65,18 +68,32 @@ def _llm(target, speculative=None, **kwargs) -> LLM:
     return loop_llm(target, speculative, **kwargs)
 
 
+def _looped(target, kind: str, **kwargs) -> LLM:
+    """An engine whose greedy requests run in the device loop: n-gram chains, or plain decoding."""
+    if kind == "plain":
+        return _llm(target, decode_steps=4, **kwargs)
+    return _llm(target, LOOP, **kwargs)
+
+
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[10 + (i % rng.randrange(2, 6)) for i in range(rng.randrange(6, 30))] for _ in range(count)]
 
 
-def test_greedy_equals_plain(small_vocab_target, launches):
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_plain(small_vocab_target, launches, kind):
     prompts = _prompts(4)
     params = [SamplingParams(max_new_tokens=9 + 7 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
     plain = _llm(small_vocab_target).generate(prompts, params)
-    looped = _llm(small_vocab_target, LOOP).generate(prompts, params)
+    llm = _looped(small_vocab_target, kind)
+    looped = llm.generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert max(launches) == 4 and min(launches) < 0, "fresh runs and runs chained on them"
+    if kind == "plain":
+        # Its prefills were overlapped: the loop started once their steps in flight settled.
+        assert llm.engine._overlap
+        assert all(not o.meta.get("spec_verify_ct") for o in looped), "plain decoding verifies nothing"
+        return
     for o, p in zip(looped, params, strict=True):
         assert len(o.token_ids) == p.max_new_tokens
         hist = o.meta["spec_accept_histogram"]
@@ -86,8 +103,9 @@ def test_greedy_equals_plain(small_vocab_target, launches):
     assert accepted > 0, "the tiny model's repetitive outputs should accept drafts"
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("page_size", "glue"), [(1, "torch"), (16, "torch"), (4, "triton")])
-def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size, glue):
+def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size, glue, kind):
     """Stop ids, EOS and stop strings end each request where plain decoding ends it, wherever they
     fall in a loop's steps; a lone request and a batch alike. `triton`: the loop's glue through its
     kernels (`kernels/loop_glue.py`, under the Triton interpreter on the CPU), the rest unchanged."""
@@ -105,7 +123,7 @@ def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size,
         max_new_tokens=40, temperature=0.0, stop=[text[len(text) // 2 : len(text) // 2 + 3]]
     )
     plain = plain_llm.generate(prompts, params)
-    llm = _llm(small_vocab_target, LOOP, page_size=page_size)
+    llm = _looped(small_vocab_target, kind, page_size=page_size)
     looped = llm.generate(prompts, params)
     assert [(o.token_ids, o.text, o.finish_reason) for o in looped] == [
         (o.token_ids, o.text, o.finish_reason) for o in plain
@@ -116,7 +134,8 @@ def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size,
     assert (llm.engine.device_loop.prepare.__name__ == "loop_prepare") == (glue == "triton")
 
 
-def test_requests_it_cannot_take_fall_back(small_vocab_target, launches):
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_it_cannot_take_fall_back(small_vocab_target, launches, kind):
     """A sampling request or one asking for logprobs in the batch: the synchronous path runs."""
     prompts = _prompts(2, seed=5)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -125,17 +144,18 @@ def test_requests_it_cannot_take_fall_back(small_vocab_target, launches):
         SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True),
     ):
         plain = _llm(small_vocab_target).generate(prompts, [greedy, other])
-        looped = _llm(small_vocab_target, LOOP).generate(prompts, [greedy, other])
+        looped = _looped(small_vocab_target, kind).generate(prompts, [greedy, other])
         assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert not launches
 
 
-def test_arrivals_between_runs(small_vocab_target, launches):
+@pytest.mark.parametrize("kind", KINDS)
+def test_arrivals_between_runs(small_vocab_target, launches, kind):
     """A request added while others decode waits at most one run, then joins; tokens unchanged."""
     prompts = _prompts(3, seed=7)
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     reference = _llm(small_vocab_target).generate(prompts, params)
-    engine = _llm(small_vocab_target, LOOP).engine
+    engine = _looped(small_vocab_target, kind).engine
     engine.add_request(prompts[0], params, request_id="a")
     finished = {}
     steps = 0
@@ -151,12 +171,13 @@ def test_arrivals_between_runs(small_vocab_target, launches):
     assert len(launches) >= 3
 
 
-def test_abort_while_in_flight(small_vocab_target, launches):
+@pytest.mark.parametrize("kind", KINDS)
+def test_abort_while_in_flight(small_vocab_target, launches, kind):
     """A request aborted while a run of it is in flight: the others go on unchanged."""
     prompts = _prompts(3, seed=11)
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     reference = _llm(small_vocab_target).generate(prompts, params)
-    engine = _llm(small_vocab_target, LOOP).engine
+    engine = _looped(small_vocab_target, kind).engine
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, request_id=str(i))
     finished = {}
@@ -174,7 +195,8 @@ def test_abort_while_in_flight(small_vocab_target, launches):
 
 
 @pytest.mark.parametrize("share", [4, 0])
-def test_runs_go_on_over_finished_rows(small_vocab_target, flights, monkeypatch, share):
+@pytest.mark.parametrize("kind", KINDS)
+def test_runs_go_on_over_finished_rows(small_vocab_target, flights, monkeypatch, share, kind):
     """Requests that finish mid-chain (their length, a stop id, a stop string, which only the host
     sees, and an abort) leave their rows idle in the runs queued after them: the chain goes on
     without a fresh run while more than 1/CARRY_SHARE of its rows run, the others' tokens are plain
@@ -197,7 +219,7 @@ def test_runs_go_on_over_finished_rows(small_vocab_target, flights, monkeypatch,
         SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True),
     ]
     plain = plain_llm.generate(prompts, params)
-    engine = _llm(small_vocab_target, LOOP).engine
+    engine = _looped(small_vocab_target, kind).engine
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(prompt, p, request_id=str(i))
     finished = {}
@@ -218,13 +240,14 @@ def test_runs_go_on_over_finished_rows(small_vocab_target, flights, monkeypatch,
     assert len([f for f in flights if not f.resumed]) > (1 if share else 2), "a fresh run at the batch's tail"
 
 
-def test_abort_in_a_run_that_goes_on_over_a_finished_row(small_vocab_target, flights):
+@pytest.mark.parametrize("kind", KINDS)
+def test_abort_in_a_run_that_goes_on_over_a_finished_row(small_vocab_target, flights, kind):
     """An abort while a run carries a finished request's idle row: the others are unchanged."""
     prompts = _prompts(4, seed=19)
     lengths = (6, 60, 60, 60)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     reference = _llm(small_vocab_target).generate(prompts, params)
-    engine = _llm(small_vocab_target, LOOP).engine
+    engine = _looped(small_vocab_target, kind).engine
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(prompt, p, request_id=str(i))
     finished, aborted = {}, False
@@ -258,13 +281,14 @@ def test_carries():
     assert not carries(flight, reqs[3:4]), "a quarter of the rows"
 
 
-def test_context_end(small_vocab_target, launches):
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_end(small_vocab_target, launches, kind):
     """Requests that reach max_model_len: the loop stops them (or leaves them to the synchronous
     path) where plain decoding does."""
     prompts = _prompts(2, seed=9)
     params = SamplingParams(max_new_tokens=None, temperature=0.0, ignore_eos=True)
     plain = _llm(small_vocab_target, max_model_len=48).generate(prompts, params)
-    looped = _llm(small_vocab_target, LOOP, max_model_len=48).generate(prompts, params)
+    looped = _looped(small_vocab_target, kind, max_model_len=48).generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert all(o.finish_reason == "length" for o in looped)
     assert all(len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, looped, strict=True))
@@ -332,6 +356,23 @@ def test_settings():
 def test_needs_graphs(small_vocab_target):
     with pytest.raises(ValueError, match="speculative.device_steps"):
         LLM(small_vocab_target, device="cpu", dtype="float32", cuda_graphs=False, speculative=LOOP)
+    with pytest.raises(ValueError, match="decode_steps"):
+        LLM(small_vocab_target, device="cpu", dtype="float32", cuda_graphs=False, decode_steps=4)
+
+
+def test_plain_loop_settings(small_vocab_target):
+    """`decode_steps`: in [0, 64], without speculation only; by default off where graphs run
+    uncaptured (the CPU), so the synchronous path stays the reference there."""
+    from specserve.config import EngineConfig
+
+    for bad in (-1, 65, 1.5):
+        with pytest.raises(ValueError, match="decode_steps"):
+            EngineConfig(decode_steps=bad)
+    with pytest.raises(ValueError, match="decode_steps"):
+        EngineConfig(decode_steps=4, speculative=SpeculativeConfig(method="ngram"))
+    assert not _llm(small_vocab_target).engine.device_loops
+    assert not _llm(small_vocab_target, decode_steps=0).engine.device_loops
+    assert _llm(small_vocab_target, decode_steps=4).engine.device_loop.num_steps == 0
 
 
 @pytest.mark.gpu
@@ -339,22 +380,24 @@ def test_needs_graphs(small_vocab_target):
 def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launches):
     """On a GPU, SmolLM2 in fp32 (bf16 would let the verify bucket's kernels and the decode step's
     round differently and flip near-ties): the captured loop emits plain greedy decoding's tokens,
-    batch 1 and 5."""
+    batch 1 and 5; plain decoding's own loop (the default on CUDA) too."""
     common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
     params = SamplingParams(max_new_tokens=96, temperature=0.0)
     prompts = mtbench_questions[:5]
-    plain = LLM(str(smollm2_gguf), **common)
+    plain = LLM(str(smollm2_gguf), decode_steps=0, **common)  # every step from the host
+    assert not plain.engine.device_loops
     want = plain.generate(prompts, params)
     del plain
-    looped = LLM(
-        str(smollm2_gguf), speculative={"method": "ngram", "num_steps": 5, "device_steps": 8}, **common
-    )
-    assert looped.engine.device_loop.loop_graphs, "captured per batch bucket"
-    got = looped.generate(prompts, params)
-    got_one = looped.generate(prompts[:1], params)[0]
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert got_one.token_ids == want[0].token_ids
-    assert launches
+    for spec in ({"method": "ngram", "num_steps": 5, "device_steps": 8}, None):
+        looped = LLM(str(smollm2_gguf), speculative=spec, **common)
+        assert looped.engine.device_loop.loop_graphs, "captured per batch bucket"
+        launches.clear()
+        got = looped.generate(prompts, params)
+        got_one = looped.generate(prompts[:1], params)[0]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert got_one.token_ids == want[0].token_ids
+        assert launches
+        del looped
 
 
 @pytest.mark.gpu

@@ -87,6 +87,8 @@ def test_autoscale_file_plugs_in_the_engine_load_policy():
         ({"health_check_period_s": -1}, "health_check_period_s"),
         ({"max_body_bytes": 10}, "max_body_bytes"),
         ({"api_key": ""}, "api_key"),
+        ({"speculative": None, "decode_steps": 65}, "decode_steps"),
+        ({"decode_steps": 4}, "decode_steps"),  # with the default drafter: speculation's own loop
     ],
 )
 def test_serve_config_errors_name_the_field(args, field):
@@ -103,6 +105,8 @@ def test_defaults_are_the_embedded_model_with_its_drafter():
     assert engine.speculative == SpeculativeConfig.from_value(default_speculative(engine.model))
     assert (config.host, config.port) == ("127.0.0.1", 8000)
     assert ServeConfig(speculative=None).engine_config().speculative is None
+    assert ServeConfig(speculative=None).engine_config().decode_steps is None
+    assert ServeConfig(speculative=None, decode_steps=0).engine_config().decode_steps == 0
     tree = ServeConfig(speculative={"method": "ngram", "topk": 4, "num_draft_tokens": 16}).engine_config()
     assert (tree.speculative.topk, tree.speculative.draft_tokens) == (4, 16)
 

@@ -402,19 +402,11 @@ def make_device_loops(
     draft on the device (`HeadDeviceLoop`), None where it cannot; n-gram drafts need none."""
     if spec is None:
         return {}, 0
-    steps = spec.device_steps if spec.device_steps is not None else DEVICE_STEPS
+    steps = _run_steps(spec.device_steps, DEVICE_STEPS, "speculative.device_steps", graphs, single_rank)
     if steps <= 0:
         return {}, 0
-    explicit = spec.device_steps is not None
-    if graphs is None or not single_rank:
-        if explicit:
-            raise ValueError(
-                "speculative.device_steps: the device loop needs CUDA graphs (cuda_graphs), TP size 1 "
-                "and a decoder without recurrent layers"
-            )
-        return {}, 0
     if spec.method != "ngram" and head_loop is None:
-        if explicit:
+        if spec.device_steps is not None:
             raise ValueError(
                 "speculative.device_steps: a head drafts in the device loop only with one step module "
                 "(EAGLE, EAGLE-3, MTP of one module) and its draft graphs (SPECSERVE_DRAFT_GRAPHS)"
@@ -436,14 +428,48 @@ def make_device_loops(
     return loops, (steps if loops else 0)
 
 
-def loop_ready(req: Request) -> bool:
-    """A request the loop can run now: decoding, greedy, nothing in flight, no logprobs to record,
-    past min_new_tokens (whose bans the loop does not apply)."""
+def make_plain_loop(
+    decode_steps: int | None, graphs: CudaGraphs | None, max_context: int, single_rank: bool
+) -> tuple[dict[int, DeviceLoop], int]:
+    """Without speculation: plain greedy decoding in the loop (chains of no drafts, the decode
+    buckets), `decode_steps` steps a run (None: DEVICE_STEPS where graphs are captured, on CUDA; the
+    CPU's uncaptured buckets keep the synchronous path, the loop's reference in tests). At batch 64
+    on the H200 a synchronous plain step took 2.05-2.10 ms of wall time, more than a loop iteration
+    verifying three tokens a request (docs/benchmarks.md, twenty-fifth session): the host's work
+    per step, not the forward, set the pace."""
+    default = DEVICE_STEPS if graphs is not None and graphs.captured else 0
+    steps = _run_steps(decode_steps, default, "decode_steps", graphs, single_rank)
+    if steps <= 0:
+        return {}, 0
+    loop = DeviceLoop(graphs, 0, 1, 1, max_context)
+    return ({0: loop}, steps) if loop.batch_sizes else ({}, 0)
+
+
+def _run_steps(
+    setting: int | None, default: int, name: str, graphs: CudaGraphs | None, single_rank: bool
+) -> int:
+    """Steps a loop run queues (0: no loop): `setting`, or `default` where it is None; an explicit
+    setting the engine cannot loop with is an error."""
+    steps = setting if setting is not None else default
+    if steps > 0 and (graphs is None or not single_rank):
+        if setting is not None:
+            raise ValueError(
+                f"{name}: the device loop needs CUDA graphs (cuda_graphs), TP size 1 "
+                "and a decoder without recurrent layers"
+            )
+        return 0
+    return steps
+
+
+def loop_ready(req: Request, settled: bool = True) -> bool:
+    """A request the loop can run now: decoding, greedy, nothing in flight (`settled`: else, once
+    its step in flight settles), no logprobs to record, past min_new_tokens (whose bans the loop
+    does not apply)."""
     p = req.params
     return (
         req.decoding
         and req.greedy
-        and not req.num_pending
+        and not (settled and req.num_pending)
         and not p.return_logprob
         and req.num_output >= p.min_new_tokens
         and len(p.stop_token_ids) + (0 if p.ignore_eos else len(req.eos_token_ids)) <= MAX_STOPS

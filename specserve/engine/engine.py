@@ -29,6 +29,7 @@ from specserve.engine.device_loop import (
     carries,
     loop_ready,
     make_device_loops,
+    make_plain_loop,
     plan_steps,
 )
 from specserve.engine.head_loop import head_loop_factory
@@ -123,13 +124,19 @@ class Engine:
             chain, depth = _draft_depths(config.speculative)
             prefill = tuple(buckets.prefill_shapes())
             self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len, prefill)
-        self.device_loops, self._loop_steps = make_device_loops(
-            config.speculative if self.drafter is not None else None,
-            self.runner.graphs,
-            self.max_model_len,
-            self.tp.size == 1 and self.states is None,
-            head_loop_factory(self.drafter, self.runner.graphs, self.max_model_len, config.speculative),
-        )
+        single_rank = self.tp.size == 1 and self.states is None
+        if self.drafter is None:
+            self.device_loops, self._loop_steps = make_plain_loop(
+                config.decode_steps, self.runner.graphs, self.max_model_len, single_rank
+            )
+        else:
+            self.device_loops, self._loop_steps = make_device_loops(
+                config.speculative,
+                self.runner.graphs,
+                self.max_model_len,
+                single_rank,
+                head_loop_factory(self.drafter, self.runner.graphs, self.max_model_len, config.speculative),
+            )
         self._loop_flight: LoopFlight | None = None
         self._loop_settled: LoopFlight | None = None  # the run this step read, for the policy
         self._loop_rate = 1.0  # tokens a loop step gives an active request, lately
@@ -584,23 +591,39 @@ class Engine:
         and append the one in flight while the device works on the next. None: no run in flight
         and none launched; the synchronous path takes this step."""
         flight = self._loop_flight
+        settled = self._settle_for_loop() if flight is None else []
         start = time.perf_counter()
         self._loop_flight = self._loop_launch(flight)
         if flight is None:
             if self._loop_flight is None:
-                return None
+                return settled or None
             if self.adaptive is not None:  # the device idled for it: a switch's cost
                 self.adaptive.observe_setup(len(self._loop_flight.reqs), time.perf_counter() - start)
-            return []
+            return settled
         self._while_device_works()
         return self._loop_settle(flight, chained=self._loop_flight is not None)
 
+    def _settle_for_loop(self) -> list[RequestOutput]:
+        """Overlap scheduling's step in flight, settled where a loop run could take the batch once
+        its tokens are known (plain decoding: the step before a run is the last overlapped one); its
+        outputs. The device idles for that one wait, at the switch only."""
+        loop, reqs = self.device_loop, self.scheduler.running
+        if self._inflight is None or loop is None or self.scheduler.waiting or not reqs:
+            return []
+        if len(reqs) > loop.max_batch or not all(loop_ready(r, settled=False) for r in reqs):
+            return []
+        flight, self._inflight = self._inflight, None
+        outputs = self._settle_step(flight)
+        self._stats.lap("settle")
+        return outputs
+
     @property
     def device_loop(self) -> DeviceLoop | None:
-        """The loop of this step's chain length, if there is one (with adaptive speculation: of the
-        tier the policy chose; not for a probe, which is measured step by step)."""
+        """The loop of this step's chain length, if there is one (plain decoding's, of no drafts;
+        with adaptive speculation: of the tier the policy chose, never off; not for a probe, which
+        is measured step by step)."""
         shape = self.spec_settings
-        if shape.topk != 1 or (self.adaptive is not None and self.adaptive.probing):
+        if (shape.num_steps and shape.topk != 1) or (self.adaptive is not None and self.adaptive.probing):
             return None
         return self.device_loops.get(shape.num_steps)
 
@@ -710,7 +733,8 @@ class Engine:
                 (min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1), len(tokens) - 1)
             )
             req.num_computed = len(req.token_ids) + len(tokens) - 1
-            self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
+            if flight.loop.num_steps:  # plain decoding's loop verifies nothing
+                self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
             reason, added = self._append(req, tokens, None)
             delta += added
             if reason is not None:

@@ -248,6 +248,14 @@ class ServeConfig(BaseModel):
     max_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one engine step (decode + prefill chunks)."
     )
+    decode_steps: int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Without speculative decoding: greedy decode steps a device-loop run queues before "
+        "the host reads their tokens (null: 8 where CUDA graphs are captured; 0: every step from the "
+        "host). More steps a run: less host work a token, larger bursts of streamed tokens.",
+    )
     max_queued_requests: int = Field(
         256, ge=0, description="Admitted requests waiting for a running slot per replica; beyond it, 429."
     )
@@ -347,4 +355,5 @@ class ServeConfig(BaseModel):
                 max_batched_tokens=self.max_batched_tokens,
             ),
             speculative=SpeculativeConfig.from_value(self.speculative, self.model),
+            decode_steps=self.decode_steps,
         )
