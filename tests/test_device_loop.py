@@ -303,18 +303,20 @@ def test_adaptive_tiers(small_vocab_target, launches):
     plain = _llm(small_vocab_target).generate(prompts, params)
     spec = {"method": "ngram", "num_steps": 4, "adaptive": {"tiers": ["off", 2, 4]}, "device_steps": 4}
     llm = _llm(small_vocab_target, spec)
-    assert sorted(llm.engine.device_loops) == [2, 4]
+    assert sorted(llm.engine.device_loops) == [0, 2, 4], "off is a loop too (plain decoding)"
     looped = llm.generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     single = llm.generate(prompts[:1], params)[0]
     assert single.token_ids == plain[0].token_ids
 
 
-def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, monkeypatch):
+@pytest.mark.parametrize("order", [[4, 1, 2], [4, 0, 1, 0, 2]])
+def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, monkeypatch, order):
     """The policy switches tier at every step (chains 4, 1, 2: each switch to a shorter chain
-    reserves pages for the longer run still in flight): each new length's run is queued behind the
-    run in flight over the loops' shared state, no settle between them, and the tokens are plain
-    greedy decoding's through requests finishing at their limits and stop ids."""
+    reserves pages for the longer run still in flight; off, 0, between them: plain decoding's
+    loop): each new length's run is queued behind the run in flight over the loops' shared state,
+    no settle between them, and the tokens are plain greedy decoding's through requests finishing
+    at their limits and stop ids."""
     prompts = _prompts(4, seed=23)
     reference = _llm(small_vocab_target).generate(
         prompts, SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
@@ -333,16 +335,18 @@ def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, monk
     llm = _llm(small_vocab_target, spec)
     loops = llm.engine.device_loops
     assert len({id(loop.state) for loop in loops.values()}) == 1, "one state for every chain length"
-    decided = cycle_tiers(llm.engine, [4, 1, 2])
+    decided = cycle_tiers(llm.engine, order)
     for graph in llm.engine.runner.graphs.graphs.values():  # as synchronous steps of other layouts leave them
         graph.attention.query_start.zero_()
     flights = check_loop_reservations(monkeypatch)
     looped = llm.generate(prompts, params)
     assert [(o.token_ids, o.finish_reason) for o in looped] == [(o.token_ids, o.finish_reason) for o in plain]
-    assert set(decided) == {1, 2, 4}
+    assert set(decided) == set(order)
+    assert {f.loop.num_steps for f in flights} == set(order)
     assert switched_on_device(flights) >= 4, [(f.loop.num_steps, f.resumed) for f in flights]
     fresh = [f for f in flights if not f.resumed]
-    assert len(fresh) <= 2, "a fresh run at the start, and once most rows had finished"
+    runs = [(f.loop.num_steps, f.resumed, f.steps, len(f.reqs)) for f in flights]
+    assert len(fresh) <= 2, f"a fresh run at the start, and once most rows had finished: {runs}"
 
 
 def test_settings():
@@ -403,13 +407,13 @@ def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launche
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_captured_switches_equal_plain(smollm2_gguf, mtbench_questions, monkeypatch):
-    """On a GPU, the captured loops of chains 5, 1 and 3 in turn over their shared state, switched at
+    """On a GPU, the captured loops of chains 5, 0 (off), 1 and 3 in turn over their shared state, switched at
     every step on the device: plain greedy decoding's tokens, batch 5."""
     common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
     params = SamplingParams(max_new_tokens=96, temperature=0.0)
     spec = {"method": "ngram", "num_steps": 5, "adaptive": {"tiers": ["off", 1, 3, 5]}, "device_steps": 4}
     gpu_switches_equal_plain(
-        smollm2_gguf, mtbench_questions[:5], params, spec, [5, 1, 3], monkeypatch, **common
+        smollm2_gguf, mtbench_questions[:5], params, spec, [5, 0, 1, 3], monkeypatch, **common
     )
 
 

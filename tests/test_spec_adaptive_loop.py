@@ -21,7 +21,7 @@ from specserve.engine.adaptive_control import AdaptiveSpeculation
 from specserve.engine.stats import StepStats
 from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier, configured_tiers
-from specserve.spec.step_costs import DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
 
 MS = 1e-3
 LOOP_MS = {1: 0.80, 2: 0.92, 3: 1.04, 4: 1.19}  # a loop step of chain k at batch 1
@@ -347,3 +347,35 @@ def test_the_loop_chains_verify_widths_are_priced_without_the_synchronous_residu
     assert control.costs.loop_widths[VERIFY] == frozenset({2, 3, 4, 5})
     control.looped_chains = frozenset({3})
     assert control.costs.loop_widths[VERIFY] == frozenset({4})
+
+
+def test_off_runs_in_a_loop_priced_by_its_steps(small_vocab_target):
+    """Adaptive n-gram speculation with an off tier: plain decoding has a loop over the chains' state,
+    so off costs what its loop steps cost (a verify of one token, no synchronous host work: not an
+    overlapped `DECODE` step), a switch to or from it is queued on the device, and the tokens stay
+    plain greedy decoding's."""
+    from specserve import SamplingParams
+
+    from engine_utils import loop_llm
+
+    spec = {"method": "ngram", "num_steps": 4, "adaptive": {"tiers": ["off", 2, 4]}, "device_steps": 4}
+    llm = loop_llm(small_vocab_target, spec)
+    control, policy = llm.engine.adaptive, llm.engine.adaptive.policy
+    assert sorted(llm.engine.device_loops) == [0, 2, 4]
+    assert not control.overlapped_off and policy._on_device(OFF)
+    assert control.costs.loop_widths[VERIFY] == frozenset({1, 3, 5})
+    prompts = [[10 + (i * 7) % 13 for i in range(12)], [20 + (i * 5) % 11 for i in range(9)]]
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    want = loop_llm(small_vocab_target).generate(prompts, params)
+    policy.decide = lambda ids, remaining=None, verifies=1: _held(policy, OFF, ids)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert control.costs.live_batches(VERIFY, 1), "off's loop steps priced it"
+    assert not control.costs.measures(DECODE)
+
+
+def _held(policy, tier, ids):
+    from specserve.spec.adaptive import Decision
+
+    policy.current = tier
+    return Decision(tier, dict.fromkeys(ids, tier.num_steps), 1.0, False)

@@ -367,14 +367,16 @@ class AdaptiveSpeculation:
             )
         if clean:
             self._record(batch, seconds, seconds - settle, steady)
+        if self.tier.topk == 1 and self.tier.num_steps in self.looped_chains:
+            # a loop tier run synchronously (a probe, a catch-up; off while requests wait): its loop
+            # steps price it
+            return
         if self.tier.off:
             if steady:  # overlapped: the wall is the period, host work and all; else the pass alone
                 overlapped = self.overlapped_off
                 cost = seconds if overlapped else seconds - phases.get("draft", 0.0)
                 self.costs.observe(DECODE if overlapped else VERIFY, batch, 1, cost)
             return
-        if self.tier.topk == 1 and self.tier.num_steps in self.looped_chains:
-            return  # a loop tier run synchronously (a probe, a catch-up): its loop steps price it
         drafting = phases.get("draft", 0.0)
         if clean:
             width = max(self.tier.query_len, max(item.num_tokens for item in items))

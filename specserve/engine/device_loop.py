@@ -377,13 +377,15 @@ def carries(flight: LoopFlight, running: list[Request]) -> bool:
     return all(req.finished for req in flight.reqs if req not in kept)
 
 
-def plan_steps(lengths: list[int], limits: list[int], ahead: int, rate: float, most: int) -> int:
+def plan_steps(lengths: list[int], limits: list[int], ahead: float, rate: float, most: int) -> int:
     """Steps a run takes: enough for the request furthest from its limit at `rate` tokens a step,
-    counting `ahead` steps still in flight, at most `most` (0: the run in flight likely ends them
-    all). A low guess costs one more run; a high one, steps over finished rows."""
+    counting `ahead` tokens the run in flight likely adds (its steps at its own loop's rate: a
+    switch from a chain to plain decoding's loop must not plan the plain run at the chain's rate),
+    at most `most` (0: the run in flight likely ends them all). A low guess costs one more run; a
+    high one, steps over finished rows."""
     need = 0
     for length, limit in zip(lengths, limits, strict=True):
-        expected = min(limit, length + ahead * rate)
+        expected = min(limit, length + ahead)
         need = max(need, math.ceil((limit - expected) / rate))
     return min(most, need)
 
@@ -423,9 +425,21 @@ def make_device_loops(
         loops = {k: head_loop(k, state) for k in lengths}
     else:
         match = spec.ngram_min_match, spec.ngram_max_match
-        loops = {k: DeviceLoop(graphs, k, *match, max_context, state) for k in lengths}
+        loops = {
+            k: DeviceLoop(graphs, k, *match, max_context, state)
+            for k in [*_off_loop(spec, lengths), *lengths]
+        }
     loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
     return loops, (steps if loops else 0)
+
+
+def _off_loop(spec: SpeculativeConfig, lengths: list[int]) -> list[int]:
+    """[0] where adaptive n-gram speculation has an off tier beside loop chains: its plain steps run
+    in the loop too, over the same state, so a switch to or from off is queued on the device like one
+    between chains. A head's off steps stay on the host, whose forwards keep the features the head
+    extends over when speculation resumes."""
+    has_off = spec.adaptive is not None and any(t.off for t in configured_tiers(spec))
+    return [0] if has_off and spec.method == "ngram" and lengths else []
 
 
 def make_plain_loop(

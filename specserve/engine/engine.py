@@ -139,7 +139,8 @@ class Engine:
             )
         self._loop_flight: LoopFlight | None = None
         self._loop_settled: LoopFlight | None = None  # the run this step read, for the policy
-        self._loop_rate = 1.0  # tokens a loop step gives an active request, lately
+        # chain length -> tokens a step of its loop gives an active request, lately (plain: 1)
+        self._loop_rates: dict[int, float] = {}
         self._overlap = config.use_overlap() and self.drafter is None
         # Adaptive speculation's plain steps overlap too, where the drafter needs nothing of them
         # (a head reads each step's features; n-gram and standalone drafters catch up from tokens).
@@ -149,7 +150,8 @@ class Engine:
             and self.drafter.capture is None
         )
         if self.adaptive is not None:
-            self.adaptive.overlapped_off = self._overlap_off
+            # Off in a loop (n-gram) is priced by its loop steps, like a chain's, not as an overlapped step.
+            self.adaptive.overlapped_off = self._overlap_off and 0 not in self.device_loops
             self.adaptive.looped_chains = frozenset(self.device_loops)
             self.adaptive.shapes = verify_shapes(buckets)
             if isinstance(self.drafter, NgramDrafter):  # a host lookup: scored while off, for free
@@ -648,9 +650,11 @@ class Engine:
             limits = flight.limits
         running = set(reqs)
         live = [(req, limit) for req, limit in zip(rows, limits, strict=True) if req in running]
-        ahead = 0 if flight is None else flight.steps
+        # tokens the run in flight is likely to add, at its own loop's rate
+        ahead = 0.0 if flight is None else flight.steps * self._loop_rates.get(flight.loop.num_steps, 1.0)
         lengths = [len(r.token_ids) for r, _ in live]
-        steps = plan_steps(lengths, [limit for _, limit in live], ahead, self._loop_rate, self._loop_steps)
+        rate = self._loop_rates.get(loop.num_steps, 1.0)
+        steps = plan_steps(lengths, [limit for _, limit in live], ahead, rate, self._loop_steps)
         if steps <= 0:
             return None
         ahead_tokens = 0 if flight is None else flight.steps * flight.loop.query_len  # its own chains'
@@ -673,13 +677,14 @@ class Engine:
         result = flight.loop.collect(flight.records)
         self._stats.lap("target")
         self._loop_settled = flight
-        self._loop_rate = _loop_rate(self._loop_rate, result)
+        k = flight.loop.num_steps
+        self._loop_rates[k] = _loop_rate(self._loop_rates.get(k, 1.0), result)
         appended = [
             (req, *self._loop_append(req, result, index, flight))
             for index, req in flight.live()
             if not req.finished  # aborted meanwhile: its row ran on, for nothing
         ]
-        if self.adaptive is not None:  # before any finished request's estimates are forgotten
+        if self.adaptive is not None and flight.loop.num_steps:  # before finished requests are forgotten
             runs = [(req, verifies) for req, _, _, verifies in appended]
             self.adaptive.observe_run_chains(runs, len(flight.reqs))
         outputs = []
