@@ -3,8 +3,8 @@
 The model is loaded once; plain decoding and every speculative configuration asked for run as engines
 over those same weights. With `--peer hf`, HF transformers `generate` runs the same model on the same
 device in the same dtype (plain greedy, and prompt lookup at batch 1), so each figure is also a
-ratio. Greedy, a fixed number of new tokens (EOS ignored), wall time from submission to the last
-token, the prefix cache flushed before each run. With `--url` the same batches also go to a running
+ratio. Greedy (or sampled at `--temperature`), a fixed number of new tokens (EOS ignored), wall time
+from submission to the last token, the prefix cache flushed before each run. With `--url` the same batches also go to a running
 server over HTTP (`specserve.bench_http`). Output: JSON, a table, and a PNG of tok/s vs batch size.
 """
 
@@ -152,9 +152,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "noisy and an adaptive policy's moves after the batch size changed weigh in it (default: 1)",
     )
     parser.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=0.0,
+        help="sampling temperature of every request (default 0: greedy); HF generate samples at it too",
+    )
+    parser.add_argument(
         "--out", default="bench.json", help="where to write the JSON results (default: bench.json)"
     )
     parser.add_argument("--plot", default=None, help="where to write the PNG (default: --out with .png)")
+
+
+def _temperature(text: str) -> float:
+    """An argparse type: a finite temperature >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a temperature is a number >= 0")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,9 +213,9 @@ def run(args: argparse.Namespace) -> int:
     hf = _load_hf(plain) if args.peer == "hf" else None
     lookup = _prompt_lookup_tokens(specs, args.num_steps or DEFAULT_NUM_STEPS)
     for engine in engines.values():
-        _time_engine(engine, [prompts[:2]], WARMUP_TOKENS)
+        _time_engine(engine, [prompts[:2]], WARMUP_TOKENS, args.temperature)
     if hf is not None:
-        _time_hf(hf, plain, prompts[:1], WARMUP_TOKENS)
+        _time_hf(hf, plain, prompts[:1], WARMUP_TOKENS, temperature=args.temperature)
     # Everything loaded so far (HF's model and modules among it) is old: keep the collector from
     # walking it in the middle of a timed run.
     gc.collect()
@@ -213,16 +230,19 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, list[tuple]] = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name, engine in engines.items():
-                runs[name].append(_time_engine(engine, batches, args.max_new_tokens))
+                runs[name].append(_time_engine(engine, batches, args.max_new_tokens, args.temperature))
         for name, timed in runs.items():
             # The lower median: of two runs the faster, as a late kernel compile lands in one run only.
             run = sorted(timed, key=lambda run: run[0])[(len(timed) - 1) // 2]
             repeats = [round(t[0], 6) for t in timed]
             rows.append(_row(name, b, args.max_new_tokens, *run, batches=len(batches), repeats=repeats))
         if hf is not None:
-            rows.append(_row(HF, b, args.max_new_tokens, _time_hf(hf, plain, batch, args.max_new_tokens)))
+            seconds = _time_hf(hf, plain, batch, args.max_new_tokens, temperature=args.temperature)
+            rows.append(_row(HF, b, args.max_new_tokens, seconds))
             if b == 1:
-                seconds = _time_hf(hf, plain, batch, args.max_new_tokens, prompt_lookup=lookup)
+                seconds = _time_hf(
+                    hf, plain, batch, args.max_new_tokens, prompt_lookup=lookup, temperature=args.temperature
+                )
                 rows.append(_row(HF_PROMPT_LOOKUP, b, args.max_new_tokens, seconds))
     if args.url:
         from specserve.bench_http import http_rows
@@ -241,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         "distinct_prompts": len({tuple(p) for p in prompts}),
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
         "systems": {
             **{spec_name(spec): {"speculative": spec} for spec in specs},
             **({PLAIN_SYNC: {"speculative": None, "decode_steps": 0}} if args.plain_sync else {}),
@@ -341,13 +362,13 @@ def _batch_count(batch_size: int, args: argparse.Namespace) -> int:
 
 
 def _time_engine(
-    llm, batches: list[list[list[int]]], new_tokens: int
+    llm, batches: list[list[list[int]]], new_tokens: int, temperature: float = 0.0
 ) -> tuple[float, float | None, dict[str, float], dict[str, int] | None, dict | None]:
     """Seconds of one run (the batches one after another), its accept length (None without
     speculation), host ms per step by phase, and with adaptive speculation the steps each tier ran
     and the policy's diagnostics after the run. The adaptive policy keeps what it learnt from run to
     run, as a server would."""
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True)
     adaptive = llm.engine.adaptive
     before = dict(adaptive.tier_steps) if adaptive is not None else {}
     llm.engine.flush_cache()  # no prefix reuse between runs
@@ -388,7 +409,12 @@ def _load_hf(llm):
 
 
 def _time_hf(
-    model, llm, prompts: list[list[int]], new_tokens: int, prompt_lookup: int | None = None
+    model,
+    llm,
+    prompts: list[list[int]],
+    new_tokens: int,
+    prompt_lookup: int | None = None,
+    temperature: float = 0.0,
 ) -> float:
     pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
     width = max(len(p) for p in prompts)
@@ -403,8 +429,8 @@ def _time_hf(
             attention_mask=mask,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
-            do_sample=False,
-            temperature=None,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
             top_p=None,
             top_k=None,
             pad_token_id=pad,

@@ -108,12 +108,25 @@ def test_shape_flags_reach_the_default_drafter_and_need_a_method(tiny_folder, tm
         ["--batch-sizes", "abc"],
         ["--repeats", "0"],
         ["--max-new-tokens", "0"],
+        ["--temperature", "-1"],
+        ["--temperature", "nan"],
     ):
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "--model", str(tiny_folder), "--out", out, *bad])
         assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err
     assert main(["bench", "--model", str(tmp_path / "nothing"), "--out", out]) == 2
     assert "model: cannot resolve" in capsys.readouterr().err
+
+
+def test_bench_samples_at_a_temperature(tiny_folder, tmp_path):
+    """`--temperature`: every system's requests (and HF's) sample at it; the report records it."""
+    out = tmp_path / "sampled.json"
+    argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "2", "--max-new-tokens", "4", "--device"]
+    argv += ["cpu", "--temperature", "0.8", "--spec", "ngram:2", "--hf", "--repeats", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 0.8
+    assert {r["system"] for r in report["rows"]} >= {"specserve", "specserve-ngram-2", "hf-generate"}
 
 
 def test_pull_unknown_asset_fails_cleanly(capsys):
@@ -196,7 +209,7 @@ def test_bench_repeats_in_rounds_over_the_systems(tiny_folder, tmp_path, monkeyp
     order: list[tuple[int, float]] = []
     seconds = iter(range(100, 0, -1))  # each timed run faster than the one before
 
-    def timed(llm, batches, new_tokens):
+    def timed(llm, batches, new_tokens, temperature=0.0):
         order.append((id(llm), new_tokens))
         return float(next(seconds)), None, {}, None, None
 

@@ -10,6 +10,7 @@ synchronous path counts them; the KV accounting check runs after every test (con
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -136,17 +137,63 @@ def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_requests_it_cannot_take_fall_back(small_vocab_target, launches, kind):
-    """A sampling request or one asking for logprobs in the batch: the synchronous path runs."""
+    """A request asking for logprobs in the batch, or (speculative chains) a sampling one: the
+    synchronous path runs."""
     prompts = _prompts(2, seed=5)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    for other in (
-        SamplingParams(max_new_tokens=12, temperature=0.8, seed=1, ignore_eos=True),
-        SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True),
-    ):
+    others = [SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True)]
+    if kind == "ngram":
+        others.append(SamplingParams(max_new_tokens=12, temperature=0.8, seed=1, ignore_eos=True))
+    for other in others:
         plain = _llm(small_vocab_target).generate(prompts, [greedy, other])
         looped = _looped(small_vocab_target, kind).generate(prompts, [greedy, other])
         assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert not launches
+
+
+SAMPLED = [
+    SamplingParams(max_new_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
+    SamplingParams(max_new_tokens=30, temperature=1.0, top_k=5, seed=2, ignore_eos=True),
+    SamplingParams(max_new_tokens=30, temperature=0.7, top_p=0.9, ignore_eos=True),
+    SamplingParams(max_new_tokens=30, temperature=1.2, min_p=0.1, seed=4, ignore_eos=True),
+    SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize(
+    "picks",
+    [[0], [0, 3], [1, 4, 0], [2, 0, 3, 4]],
+    ids=["temperature", "min-p", "top-k-and-greedy", "top-p-min-p-greedy"],
+)
+def test_sampled_requests_decode_in_the_plain_loop(small_vocab_target, launches, picks):
+    """Plain decoding's loop draws sampling requests as the host path does (the same counter-hashed
+    noise, the same filters' code path for the same batch): the same tokens, request by request,
+    whatever the mix of temperature, top-k, top-p, min-p and greedy rows."""
+    prompts = _prompts(len(picks), seed=29)
+    params = [SAMPLED[i] for i in picks]
+    host = _llm(small_vocab_target).generate(prompts, params)
+    looped = _looped(small_vocab_target, "plain").generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in host]
+    assert launches and max(launches) == 4
+    assert len({tuple(o.token_ids) for o in looped}) == len(picks), "distinct draws"
+
+
+def test_a_run_whose_requests_filters_change_starts_afresh(small_vocab_target, flights):
+    """The only top-p request finishes first: the host draws the others without the sorted filter
+    from then on, so the loop's next run is a fresh one with the survivors' filters (not a
+    resumed one with the old), and the tokens stay the host path's."""
+    prompts = _prompts(3, seed=31)
+    params = [
+        SamplingParams(max_new_tokens=9, temperature=0.7, top_p=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_new_tokens=40, temperature=0.9, seed=6, ignore_eos=True),
+        SamplingParams(max_new_tokens=40, temperature=1.1, seed=7, ignore_eos=True),
+    ]
+    host = _llm(small_vocab_target).generate(prompts, params)
+    looped = _looped(small_vocab_target, "plain").generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in host]
+    filters = [(f.resumed, f.flags.any_top_p) for f in flights]
+    assert filters[0] == (False, True) and (False, False) in filters, filters
+    assert not any(resumed and top_p for resumed, top_p in filters[filters.index((False, False)) :])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -402,6 +449,27 @@ def test_gpu_captured_loop_equals_plain(smollm2_gguf, mtbench_questions, launche
         assert got_one.token_ids == want[0].token_ids
         assert launches
         del looped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_sampling_loop_equals_the_host_path(smollm2_gguf, mtbench_questions, launches):
+    """On a GPU, in fp32: plain decoding's loop, its sampled iterations captured per filter set as
+    runs need them, draws the host path's tokens for sampling requests (temperature, top-k, top-p,
+    min-p and greedy rows together), batch 5 and batch 2."""
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
+    params = [dataclasses.replace(p, max_new_tokens=96) for p in SAMPLED]
+    prompts = mtbench_questions[:5]
+    host = LLM(str(smollm2_gguf), decode_steps=0, **common)
+    want = host.generate(prompts, params)
+    want_two = host.generate(prompts[:2], params[:2])
+    del host
+    looped = LLM(str(smollm2_gguf), **common)
+    got = looped.generate(prompts, params)
+    got_two = looped.generate(prompts[:2], params[:2])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in got_two] == [o.token_ids for o in want_two]
+    assert launches and looped.engine.device_loop.sampled_graphs, "captured as runs needed them"
 
 
 @pytest.mark.gpu

@@ -46,6 +46,14 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.host_copy import to_device
 from specserve.engine.request import Request
+from specserve.engine.sampler import (
+    GREEDY,
+    SamplingFlags,
+    device_batch,
+    sample,
+    sampling_columns,
+    sampling_flags,
+)
 from specserve.executor.cuda_graphs import CudaGraphs, capture
 from specserve.spec.adaptive import configured_tiers
 from specserve_kernels import use_triton
@@ -104,12 +112,43 @@ class LoopState:
         self.owner: DeviceLoop | None = None
 
 
+class SamplingRows:
+    """What plain decoding's loop samples a row with besides its logits: the request's temperature,
+    top_p and min_p ([3, B] float32), top_k, seed and prompt length (its counter, the output index
+    being drawn, is its length less that), as the host path's `SamplingBatch` holds them."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.fixed = torch.zeros(3, batch, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(3, batch, dtype=torch.int64, device=device)  # top_k, seed, prompt length
+
+    def write(self, reqs: list[Request], batch: int) -> None:
+        """Rows of `reqs`, pad rows greedy; one copy each."""
+        fixed = np.zeros((3, batch), dtype=np.float32)
+        ints = np.zeros((3, batch), dtype=np.int64)
+        n = len(reqs)
+        fixed[:, :n], ints[0, :n] = sampling_columns([r.sampling_fixed for r in reqs])
+        ints[1, :n] = [r.seed for r in reqs]
+        ints[2, :n] = [r.prompt_len for r in reqs]
+        device = self.fixed.device
+        self.fixed[:, :batch].copy_(to_device(torch.from_numpy(fixed), device))
+        self.ints[:, :batch].copy_(to_device(torch.from_numpy(ints), device))
+
+    def draw(self, logits: torch.Tensor, lengths: torch.Tensor, flags: SamplingFlags) -> torch.Tensor:
+        """The host path's `sample` of rows [B, V] with these filters, each row's counter its length
+        less its prompt: the same tokens the host draws for the same batch."""
+        batch = logits.shape[0]
+        top_k, seed, prompt = self.ints[:, :batch]
+        return sample(logits, device_batch(self.fixed[:, :batch], top_k, seed, lengths - prompt, flags))
+
+
 class DeviceLoop:
     """Greedy n-gram chains of `num_steps` drafts, verified in the (batch, num_steps + 1) buckets of
     `graphs`. Its state (histories, lengths, limits, stop ids) lives in static buffers as wide as
     the largest bucket (`state`: shared with the engine's other loops; else its own); on CUDA one
     iteration, glue and forward, is captured per batch bucket (at construction, over inactive rows,
-    so the capture run changes nothing)."""
+    so the capture run changes nothing). `samples` (plain decoding only, no drafts): sampling
+    requests run too, drawn as the host path draws them, their iteration captured per (batch bucket,
+    the run's `SamplingFlags`) when a run first needs it."""
 
     def __init__(
         self,
@@ -119,6 +158,7 @@ class DeviceLoop:
         max_match: int,
         max_context: int,
         state: LoopState | None = None,
+        samples: bool = False,
     ) -> None:
         self.graphs, self.num_steps = graphs, num_steps
         self.min_match, self.max_match = min_match, max_match
@@ -151,6 +191,9 @@ class DeviceLoop:
         self.accept = loop_accept if kernels else loop_accept_ref
         self.argmax = row_argmax if kernels else row_argmax_ref
         self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sampling = SamplingRows(batch, device) if samples and num_steps == 0 else None
+        self.flags = GREEDY  # the filters of the run queued last (its rows')
+        self.sampled_graphs: dict[tuple[int, SamplingFlags], torch.cuda.CUDAGraph] = {}
         self._pinned: list[torch.Tensor | None] = [None] * 3
         self._next_pinned = 0
         if graphs.captured and self.batch_sizes:
@@ -163,6 +206,19 @@ class DeviceLoop:
     def ready(self, req: Request) -> bool:
         """Whether this loop's drafter can start the request now (n-gram: always; it reads tokens)."""
         return True
+
+    @property
+    def samples(self) -> bool:
+        """Whether sampling requests may run (plain decoding's loop); else greedy ones only."""
+        return self.sampling is not None
+
+    def flags_of(self, reqs: list[Request]) -> SamplingFlags:
+        """The filters the host path's `SamplingBatch` of these requests would use: a run keeps
+        them (a run whose requests' flags changed is not resumed, `Engine._loop_launch`)."""
+        if self.sampling is None or all(r.greedy for r in reqs):
+            return GREEDY
+        fixed, top_k = sampling_columns([r.sampling_fixed for r in reqs])
+        return sampling_flags(fixed[0], top_k, fixed[1], fixed[2])
 
     def hand_back(self, reqs: list[Request]) -> None:
         """The loop stops running `reqs`: whatever drafting state lives on the device goes back to
@@ -221,10 +277,14 @@ class DeviceLoop:
             if self.state.owner is not self:
                 self._switch_in(batch)
         else:
+            self.flags = self.flags_of(reqs)
+            self._capture_sampled(batch)  # before the rows are set up: it runs over inactive ones
             self._setup(reqs, limits, stop_ids, batch)
+            if self.sampling is not None:
+                self.sampling.write(reqs, batch)
         self.state.owner = self
         out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
-        graph = self.loop_graphs.get(batch)
+        graph = self._graph(batch)
         for step in range(iterations):
             if graph is not None:
                 graph.replay()
@@ -268,6 +328,20 @@ class DeviceLoop:
         """One uncaptured step of the first `batch` rows (the CPU's loop; profiles)."""
         self._iteration(batch)
 
+    def _graph(self, batch: int) -> torch.cuda.CUDAGraph | None:
+        if self.flags.all_greedy:
+            return self.loop_graphs.get(batch)
+        return self.sampled_graphs.get((batch, self.flags))
+
+    def _capture_sampled(self, batch: int) -> None:
+        """The iteration of this run's sampling filters at `batch`, captured the first time a run
+        needs it (over inactive rows: no run of this state is in flight)."""
+        key = (batch, self.flags)
+        if self.flags.all_greedy or not self.graphs.captured or key in self.sampled_graphs:
+            return
+        self.reset_rows(self.max_batch)
+        self.sampled_graphs[key], _ = capture(lambda: self._iteration(batch), self.graphs.pool)
+
     def _capture_all(self) -> None:
         pool = self.graphs.pool
         for batch in sorted(self.batch_sizes, reverse=True):
@@ -292,7 +366,10 @@ class DeviceLoop:
         inputs = (graph.ids, graph.positions, a.slot_mapping, a.seq_lens)
         drafts, valid = self.prepare(hist, lengths, limits, table, *inputs, **self.lookup, given=given)
         hidden, aux, logits = self.graphs.forward(graph)
-        target = self.argmax(logits).view(batch, self.query_len)
+        if self.flags.all_greedy:
+            target = self.argmax(logits).view(batch, self.query_len)
+        else:  # plain decoding's sampled rows (one a request)
+            target = self.sampling.draw(logits, lengths, self.flags).view(batch, 1)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
         return graph, target, hidden if aux is None else aux
 
@@ -352,6 +429,7 @@ class LoopFlight:
     records: LoopRecords
     resumed: bool  # queued behind the run before: from its settle to its own, the device ran it alone
     retired: frozenset[int] = frozenset()  # rows whose requests had left when it was launched
+    flags: SamplingFlags = GREEDY  # the sampling filters its rows were drawn with
 
     def live(self) -> list[tuple[int, Request]]:
         """(row, request) of the rows that had a request when the run was launched."""
@@ -455,7 +533,7 @@ def make_plain_loop(
     steps = _run_steps(decode_steps, default, "decode_steps", graphs, single_rank)
     if steps <= 0:
         return {}, 0
-    loop = DeviceLoop(graphs, 0, 1, 1, max_context)
+    loop = DeviceLoop(graphs, 0, 1, 1, max_context, samples=True)
     return ({0: loop}, steps) if loop.batch_sizes else ({}, 0)
 
 
@@ -475,14 +553,14 @@ def _run_steps(
     return steps
 
 
-def loop_ready(req: Request, settled: bool = True) -> bool:
-    """A request the loop can run now: decoding, greedy, nothing in flight (`settled`: else, once
-    its step in flight settles), no logprobs to record, past min_new_tokens (whose bans the loop
-    does not apply)."""
+def loop_ready(req: Request, settled: bool = True, sampled: bool = False) -> bool:
+    """A request the loop can run now: decoding, greedy (or sampled, where the loop samples:
+    `sampled`), nothing in flight (`settled`: else, once its step in flight settles), no logprobs to
+    record, past min_new_tokens (whose bans the loop does not apply)."""
     p = req.params
     return (
         req.decoding
-        and req.greedy
+        and (req.greedy or sampled)
         and not (settled and req.num_pending)
         and not p.return_logprob
         and req.num_output >= p.min_new_tokens

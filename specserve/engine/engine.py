@@ -612,7 +612,7 @@ class Engine:
         loop, reqs = self.device_loop, self.scheduler.running
         if self._inflight is None or loop is None or self.scheduler.waiting or not reqs:
             return []
-        if len(reqs) > loop.max_batch or not all(loop_ready(r, settled=False) for r in reqs):
+        if len(reqs) > loop.max_batch or not all(loop_ready(r, False, loop.samples) for r in reqs):
             return []
         flight, self._inflight = self._inflight, None
         outputs = self._settle_step(flight)
@@ -639,8 +639,10 @@ class Engine:
             return None
         if flight is not None and not (loop.follows(flight.loop, len(flight.reqs)) and carries(flight, reqs)):
             return None
-        if not all(loop_ready(r) for r in reqs):
+        if not all(loop_ready(r, sampled=loop.samples) for r in reqs):
             return None
+        if flight is not None and loop.flags_of(reqs) != flight.flags:
+            return None  # the host would draw the rest with other filters: a fresh run, with them
         if flight is None and not all(loop.ready(r) for r in reqs):  # resumed: the device has its state
             return None
         rows = list(reqs) if flight is None else flight.reqs
@@ -668,7 +670,9 @@ class Engine:
         # Resumed, the page tables are copied again: a retired row's (its pages freed) is all the dummy page.
         records = loop.launch(rows, limits, stops, steps, resume=flight is not None)
         retired = frozenset(row for row, req in enumerate(rows) if req not in running)
-        return LoopFlight(loop, rows, limits, steps, records, resumed=flight is not None, retired=retired)
+        return LoopFlight(
+            loop, rows, limits, steps, records, resumed=flight is not None, retired=retired, flags=loop.flags
+        )
 
     def _loop_settle(self, flight: LoopFlight, chained: bool) -> list[RequestOutput]:
         """Each request's tokens of a run, appended as its synchronous verifies would have, step by

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -104,24 +105,13 @@ class SamplingBatch:
             return cls(
                 floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], ints[3], True, False, False, False
             )
-        params = np.array(fixed, dtype=np.float64).reshape(-1, 4).T
         buffer = np.empty(44 * n, dtype=np.uint8)  # [4, n] int64, then [3, n] float32
         ints = buffer[: 32 * n].view(np.int64).reshape(4, n)
         floats = buffer[32 * n :].view(np.float32).reshape(3, n)
-        # temperature, top_p, min_p; a temperature past float32's range is its largest (uniform anyway)
-        floats[:] = np.minimum(params[[0, 2, 3]], np.finfo(np.float32).max)
-        # top_k: exact in float64 up to 2**53; a k past any vocabulary keeps every token, as 2**31
-        # does (a k near 2**63, which the API admits, would overflow the cast)
-        ints[0] = np.minimum(params[1], 2.0**31)
+        floats[:], ints[0] = sampling_columns(fixed)
         ints[1], ints[2] = seeds, counters
         ints[3] = _row_keys(seeds, counters)
-        sampled = floats[0] > 0  # greedy rows ignore the filters
-        flags = {
-            "all_greedy": not bool(sampled.any()),
-            "any_top_k": bool((ints[0][sampled] > 0).any()),
-            "any_top_p": bool((floats[1][sampled] < 1.0).any()),
-            "any_min_p": bool((floats[2][sampled] > 0.0).any()),
-        }
+        flags = sampling_flags(floats[0], ints[0], floats[1], floats[2])._asdict()
         packed = to_device(torch.from_numpy(buffer), device)
         ints_t = packed[: 32 * n].view(torch.int64).view(4, n)
         floats_t = packed[32 * n :].view(torch.float32).view(3, n)
@@ -138,6 +128,52 @@ class SamplingBatch:
 
     def __len__(self) -> int:
         return self.temperature.shape[0]
+
+
+class SamplingFlags(NamedTuple):
+    """Which filters a batch's sampled rows use: they pick `sample`'s code path (and so its float
+    rounding), which a batch drawn elsewhere (the device loop) must follow to draw the same tokens."""
+
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+
+def sampling_flags(
+    temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray
+) -> SamplingFlags:
+    """The flags of rows of these (float32-capped) columns: greedy rows ignore the filters."""
+    sampled = temperature > 0
+    return SamplingFlags(
+        all_greedy=not bool(sampled.any()),
+        any_top_k=bool((top_k[sampled] > 0).any()),
+        any_top_p=bool((top_p[sampled] < 1.0).any()),
+        any_min_p=bool((min_p[sampled] > 0.0).any()),
+    )
+
+
+def sampling_columns(fixed: Sequence[tuple[float, int, float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of (temperature, top_k, top_p, min_p) as the device holds them: [3, n] float32
+    (temperature, top_p, min_p; a temperature past float32's range is its largest, uniform anyway)
+    and [n] int64 top_k (a k past any vocabulary keeps every token, as 2**31 does; one near 2**63,
+    which the API admits, would overflow the cast)."""
+    params = np.array(fixed, dtype=np.float64).reshape(-1, 4).T
+    floats = np.minimum(params[[0, 2, 3]], np.finfo(np.float32).max).astype(np.float32)
+    return floats, np.minimum(params[1], 2.0**31).astype(np.int64)
+
+
+GREEDY = SamplingFlags(True, False, False, False)
+
+
+def device_batch(
+    fixed: torch.Tensor, top_k: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor, flags: SamplingFlags
+) -> SamplingBatch:
+    """A batch whose columns live on the device already (`fixed` [3, B] float32: temperature,
+    top_p, min_p, as `sampling_columns` lays them out), its row keys folded there: no host work,
+    capturable in a CUDA graph (the device loop's sampled rows, whose counters advance there)."""
+    key = _row_key(seed, counter)
+    return SamplingBatch(fixed[0], top_k, fixed[1], fixed[2], seed, counter, key, *flags)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, banned: torch.Tensor | None = None) -> torch.Tensor:
