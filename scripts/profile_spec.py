@@ -5,7 +5,8 @@ torch.profiler table of a few steps.
 
 Environment: SPEC (a `--spec` string, default `ngram:4`; e.g. `eagle3:5x8x32:path/to/head`),
 PROFILE_TOKENS (new tokens per request, default 64), PROFILE_BATCHES (default "1,16"), PROFILE_DEVICE
-(default cuda; cpu checks the script, fp32, without the sync count).
+(default cuda; cpu checks the script, fp32, without the sync count), PROFILE_TEMPERATURE (every
+request's, default 0: greedy).
 """
 
 import cProfile
@@ -26,6 +27,7 @@ from specserve.engine.stats import PhaseTotals
 from specserve.model.loader import load_model
 
 TOKENS = int(os.environ.get("PROFILE_TOKENS", "64"))
+TEMPERATURE = float(os.environ.get("PROFILE_TEMPERATURE", "0"))
 DEVICE = torch.device(os.environ.get("PROFILE_DEVICE", "cuda"))
 CUDA = DEVICE.type == "cuda"
 spec = parse_spec(os.environ.get("SPEC", "ngram:4"))
@@ -42,7 +44,7 @@ questions = [
 loaded = load_model("smollm2-135m-instruct", DEVICE, torch.bfloat16 if CUDA else torch.float32)
 llm = LLM(loaded, speculative=spec, max_total_tokens=64 * 1500, max_batched_tokens=8192)
 prompts = [llm._chat_ids([{"role": "user", "content": q}]) for q in questions[:64]]
-params = SamplingParams(max_new_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+params = SamplingParams(max_new_tokens=TOKENS, temperature=TEMPERATURE, ignore_eos=True)
 llm.generate(prompts[:2], params)
 print(f"speculative: {spec}")
 for bs in [int(b) for b in os.environ.get("PROFILE_BATCHES", "1,16").split(",")]:
@@ -80,7 +82,7 @@ if CUDA:
     torch.cuda.set_sync_debug_mode("warn")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    llm.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    llm.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=TEMPERATURE, ignore_eos=True))
 if CUDA:
     torch.cuda.set_sync_debug_mode(0)
 syncs: dict[str, int] = {}
@@ -91,5 +93,5 @@ print(f"host-device syncs in 16 tokens at batch 1: {sum(syncs.values())}")
 for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:10]:
     print(f"  {n:5d}  {where}")
 with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if CUDA else [])]) as tprof:
-    llm.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    llm.generate(prompts[:1], SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, ignore_eos=True))
 print(tprof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=50))

@@ -312,3 +312,25 @@ def test_cuda_matches_cpu_without_host_sync() -> None:
         assert torch.equal(got.cpu(), sample(logits, cpu_batch, banned)), name
         assert torch.allclose(probs.cpu(), filtered_probs(logits, cpu_batch, banned), atol=1e-6), name
         assert torch.equal(noise.cpu(), uniform_noise(seeds, counters, vocab)), name
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # keys folded row by row in Python, and with numpy
+@pytest.mark.parametrize("salt", [0, 1, 2, 3])
+def test_a_batch_s_salted_noise_is_uniform_noise(rows: int, salt: int) -> None:
+    """`SamplingBatch.noise` folds a salt's row keys on the host (a batch built there) or on the
+    device (one built from device columns, `device_batch`): either way `uniform_noise`'s values."""
+    from specserve.engine.sampler import GREEDY as NO_FILTERS
+    from specserve.engine.sampler import device_batch
+
+    rng = random.Random(rows * 10 + salt)
+    seeds = [rng.randrange(2**63) for _ in range(rows)]
+    counters = [rng.randrange(5000) for _ in range(rows)]
+    batch = SamplingBatch.build(
+        [dataclasses.replace(PLAIN, seed=s, counter=c) for s, c in zip(seeds, counters, strict=True)], CPU
+    )
+    want = uniform_noise(torch.tensor(seeds), torch.tensor(counters), 17, salt=salt)
+    assert torch.equal(batch.noise(17, salt), want)
+    on_device = device_batch(
+        torch.ones(3, rows), torch.zeros(rows, dtype=torch.int64), batch.seed, batch.counter, NO_FILTERS
+    )
+    assert on_device.host is None and torch.equal(on_device.noise(17, salt), want)

@@ -36,7 +36,6 @@ from specserve.engine.sampler import (
     filtered_probs,
     sample,
     sample_from_probs,
-    uniform_noise,
 )
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import ACCEPT_SALT
@@ -119,7 +118,7 @@ def _sampled_tests(logits, batch, banned, trees, sizes, starts_host, tokens, pre
         accept, residual = accept.index_copy(0, index, a), residual.index_copy(0, index, res)
     # Rounding can leave a row with no residual mass; p itself is the safe draw then.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-    u = uniform_noise(batch.seed, batch.counter, tokens.shape[1], salt=ACCEPT_SALT)
+    u = batch.noise(tokens.shape[1], ACCEPT_SALT)
     return accept, sample_from_probs(residual, batch), u
 
 

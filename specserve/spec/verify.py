@@ -24,7 +24,6 @@ from specserve.engine.sampler import (
     greedy_tokens,
     sample,
     sample_from_probs,
-    uniform_noise,
 )
 from specserve.spec.drafter import resolve_drafts
 from specserve_kernels import check_indices, use_triton
@@ -68,7 +67,7 @@ def verify_chains(
         draft_probs = draft_probs.to(probs.dtype)
         deterministic = draft_probs.gather(1, draft[:, None]) == 0
         q = kernel_q = torch.where(deterministic, one_hot, draft_probs)
-    u = uniform_noise(batch.seed, batch.counter, 1, salt=ACCEPT_SALT)[:, 0]
+    u = batch.noise(1, ACCEPT_SALT)[:, 0]
     # The residual is taken from the *filtered* p (filtering after removing q would let tokens outside
     # top-k/top-p in); bonus rows have q = 0, so they draw from p itself.
     residual = (probs - q * mask[:, None]).clamp_min(0.0)
