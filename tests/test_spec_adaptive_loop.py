@@ -372,6 +372,14 @@ def test_off_runs_in_a_loop_priced_by_its_steps(small_vocab_target):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert control.costs.live_batches(VERIFY, 1), "off's loop steps priced it"
     assert not control.costs.measures(DECODE)
+    # Sampling requests, which no chain loop takes, decode in off's loop too, drawn as the host draws.
+    sampled = [SamplingParams(max_new_tokens=30, temperature=0.9, seed=s, ignore_eos=True) for s in (3, 4)]
+    want = loop_llm(small_vocab_target).generate(prompts, sampled)
+    launched = []
+    launch = llm.engine.device_loops[0].launch
+    llm.engine.device_loops[0].launch = lambda *a, **k: launched.append(1) or launch(*a, **k)
+    got = llm.generate(prompts, sampled)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and launched
 
 
 def _held(policy, tier, ids):

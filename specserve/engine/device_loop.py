@@ -504,7 +504,7 @@ def make_device_loops(
     else:
         match = spec.ngram_min_match, spec.ngram_max_match
         loops = {
-            k: DeviceLoop(graphs, k, *match, max_context, state)
+            k: DeviceLoop(graphs, k, *match, max_context, state, samples=k == 0)
             for k in [*_off_loop(spec, lengths), *lengths]
         }
     loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
@@ -514,8 +514,9 @@ def make_device_loops(
 def _off_loop(spec: SpeculativeConfig, lengths: list[int]) -> list[int]:
     """[0] where adaptive n-gram speculation has an off tier beside loop chains: its plain steps run
     in the loop too, over the same state, so a switch to or from off is queued on the device like one
-    between chains. A head's off steps stay on the host, whose forwards keep the features the head
-    extends over when speculation resumes."""
+    between chains (and sampling requests, which no chain loop takes, decode there while off). A
+    head's off steps stay on the host, whose forwards keep the features the head extends over when
+    speculation resumes."""
     has_off = spec.adaptive is not None and any(t.off for t in configured_tiers(spec))
     return [0] if has_off and spec.method == "ngram" and lengths else []
 
