@@ -1,4 +1,4 @@
-"""Speculative steps queued back to back on the device: n-gram chains of greedy requests.
+"""Steps queued back to back on the device: n-gram chains of greedy requests, and plain decoding.
 
 A speculative step's host work (read the verify's tokens, look up the next draft, build and copy the
 next input) sits between two forwards, so at batch 1 the GPU idles for most of a step: a verify of
@@ -31,7 +31,10 @@ tier the policy holds (`Engine.device_loop`). The loops share one `LoopState` (h
 limits, stop ids; a head's seeds live in the draft graphs' chain buckets, shared too), so a switch of
 tier queues the new tier's run behind the one in flight (`DeviceLoop.follows`) rather than settling
 it first and setting up a fresh run while the device idles.
-"""
+
+Plain decoding is the same loop with no drafts (`make_plain_loop`; adaptive n-gram speculation's off
+tier too): each step's input is a request's last token, the decode bucket's graph runs, and the
+argmax, or for sampling requests the host path's own draw (`SamplingRows`), is appended."""
 
 from __future__ import annotations
 

@@ -609,21 +609,26 @@ class Engine:
         """Overlap scheduling's step in flight, settled where a loop run could take the batch once
         its tokens are known (plain decoding: the step before a run is the last overlapped one); its
         outputs. The device idles for that one wait, at the switch only."""
-        loop, reqs = self.device_loop, self.scheduler.running
-        if self._inflight is None or loop is None or self.scheduler.waiting or not reqs:
-            return []
-        if len(reqs) > loop.max_batch or not all(loop_ready(r, False, loop.samples) for r in reqs):
+        if self._inflight is None or not self._loop_takes(self.device_loop, settled=False):
             return []
         flight, self._inflight = self._inflight, None
         outputs = self._settle_step(flight)
         self._stats.lap("settle")
         return outputs
 
+    def _loop_takes(self, loop: DeviceLoop | None, settled: bool = True) -> bool:
+        """Whether `loop` can run every running request, none waiting (`settled`: now; else once
+        the step in flight has settled)."""
+        reqs = self.scheduler.running
+        if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
+            return False
+        return all(loop_ready(r, settled, loop.samples) for r in reqs)
+
     @property
     def device_loop(self) -> DeviceLoop | None:
         """The loop of this step's chain length, if there is one (plain decoding's, of no drafts;
-        with adaptive speculation: of the tier the policy chose, never off; not for a probe, which
-        is measured step by step)."""
+        with adaptive speculation: of the tier the policy chose, off's where n-gram drafting has
+        one; not for a probe, which is measured step by step)."""
         shape = self.spec_settings
         if (shape.num_steps and shape.topk != 1) or (self.adaptive is not None and self.adaptive.probing):
             return None
@@ -635,11 +640,9 @@ class Engine:
         over that run's rows while they `carries`: a finished request's row runs on idle; a switch
         of chain length queues the new length's run there too (`DeviceLoop.follows`)."""
         loop, reqs = self.device_loop, self.scheduler.running
-        if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
+        if not self._loop_takes(loop):
             return None
         if flight is not None and not (loop.follows(flight.loop, len(flight.reqs)) and carries(flight, reqs)):
-            return None
-        if not all(loop_ready(r, sampled=loop.samples) for r in reqs):
             return None
         if flight is not None and loop.flags_of(reqs) != flight.flags:
             return None  # the host would draw the rest with other filters: a fresh run, with them
@@ -737,12 +740,11 @@ class Engine:
             tokens = result.emitted(step, index)
             if not tokens:
                 break
-            # a lookup that came out short is a miss past its end: the depth is the tier's
-            verifies.append(
-                (min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1), len(tokens) - 1)
-            )
             req.num_computed = len(req.token_ids) + len(tokens) - 1
             if flight.loop.num_steps:  # plain decoding's loop verifies nothing
+                # a lookup that came out short is a miss past its end: the depth is the tier's
+                depth = min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1)
+                verifies.append((depth, len(tokens) - 1))
                 self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
             reason, added = self._append(req, tokens, None)
             delta += added

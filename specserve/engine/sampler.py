@@ -138,14 +138,9 @@ class SamplingBatch:
     def noise(self, vocab_size: int, salt: int = 0) -> torch.Tensor:
         """`uniform_noise(seed, counter, vocab_size, salt=salt)` of every row, its row keys folded
         on the host where the batch has its columns there."""
-        if salt == 0:
-            key = self.noise_key
-        elif self.host is not None:
-            key = to_device(
-                torch.from_numpy(np.asarray(_row_keys(*self.host, salt), dtype=np.int64)), self.seed.device
-            )
-        else:
-            key = _row_key(self.seed, self.counter, salt)
+        if salt and self.host is not None:
+            return uniform_noise_host(*self.host, vocab_size, self.seed.device, salt=salt)
+        key = self.noise_key if salt == 0 else _row_key(self.seed, self.counter, salt)
         return _noise_from_key(key, vocab_size)
 
 
@@ -306,14 +301,11 @@ def uniform_noise_host(
 PYTHON_KEY_ROWS = 32
 
 
-def _row_keys(seeds: Sequence[int], counters: Sequence[int], salt: int = 0) -> np.ndarray | list[int]:
-    """`_row_key` of each (seed, counter) pair, for a host buffer."""
+def _row_keys(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray | list[int]:
+    """`_row_key` of each (seed, counter) pair (salt 0), for a host buffer."""
     if len(seeds) > PYTHON_KEY_ROWS:
-        return _row_key(np.asarray(seeds, dtype=np.int64), np.asarray(counters, dtype=np.int64), salt)
-    return [
-        _counter_key(_seed_key(int(seed), salt), int(counter))
-        for seed, counter in zip(seeds, counters, strict=True)
-    ]
+        return _row_key(np.asarray(seeds, dtype=np.int64), np.asarray(counters, dtype=np.int64))
+    return [_counter_key(_seed_key(seed), counter) for seed, counter in zip(seeds, counters, strict=True)]
 
 
 @functools.lru_cache(maxsize=4096)
