@@ -41,7 +41,7 @@ def median_us(form, batch: int, steps: int, device: torch.device, width: int) ->
     reqs = [SimpleNamespace(draft_backlog=None) for _ in range(batch)]
     times = []
     for step in range(steps):
-        feeds = [TargetFeed(r, 100 + step, [7], [i], False, step) for i, r in enumerate(reqs)]
+        feeds = [TargetFeed(r, 100 + step, [7], [i], False) for i, r in enumerate(reqs)]
         if work is not None:
             for _ in range(3):
                 work @ work  # queued device work, as a forward's

@@ -137,17 +137,13 @@ def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_requests_it_cannot_take_fall_back(small_vocab_target, launches, kind):
-    """A request asking for logprobs in the batch, or (speculative chains) a sampling one: the
-    synchronous path runs."""
+    """A request asking for logprobs in the batch: the synchronous path runs."""
     prompts = _prompts(2, seed=5)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    others = [SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True)]
-    if kind == "ngram":
-        others.append(SamplingParams(max_new_tokens=12, temperature=0.8, seed=1, ignore_eos=True))
-    for other in others:
-        plain = _llm(small_vocab_target).generate(prompts, [greedy, other])
-        looped = _looped(small_vocab_target, kind).generate(prompts, [greedy, other])
-        assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    other = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True)
+    plain = _llm(small_vocab_target).generate(prompts, [greedy, other])
+    looped = _looped(small_vocab_target, kind).generate(prompts, [greedy, other])
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert not launches
 
 
@@ -176,6 +172,96 @@ def test_sampled_requests_decode_in_the_plain_loop(small_vocab_target, launches,
     assert [o.token_ids for o in looped] == [o.token_ids for o in host]
     assert launches and max(launches) == 4
     assert len({tuple(o.token_ids) for o in looped}) == len(picks), "distinct draws"
+
+
+@pytest.mark.parametrize(
+    "picks",
+    [[0], [0, 3], [1, 4, 0], [2, 0, 3, 4]],
+    ids=["temperature", "min-p", "top-k-and-greedy", "top-p-min-p-greedy"],
+)
+def test_sampled_chains_equal_the_synchronous_path(small_vocab_target, launches, picks):
+    """N-gram chains of sampling requests in the loop: the host path's rejection test of each
+    deterministic draft (accepted with the target's probability of it, else a draw from the rest)
+    with its counter-hashed noise, drafts counted only where the host proposes them (never at a
+    request's last token): the synchronous path's tokens and accepts, request by request."""
+    prompts = _prompts(len(picks), seed=37)
+    params = [dataclasses.replace(SAMPLED[i], max_new_tokens=21 + 5 * n) for n, i in enumerate(picks)]
+    sync = _llm(small_vocab_target, {**LOOP, "device_steps": 0}).generate(prompts, params)
+    looped = _looped(small_vocab_target, "ngram").generate(prompts, params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in sync]
+    for o, s in zip(looped, sync, strict=True):
+        assert o.meta["spec_accept_histogram"] == s.meta["spec_accept_histogram"]
+    assert launches and max(launches) == 4
+    assert sum(o.meta["spec_accepted_tokens"] for o in looped) > 0, "sampled drafts accepted"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampled_verify_rows_equal_verify_chains(seed):
+    """`SamplingRows.verify` then the loop's accept, on random peaked logits with random drafts
+    (many of them the argmax, so the accept test passes often), lookups of every length and rooms
+    of 1..6 tokens: each request takes exactly what the host path's `verify_chains` emits for the
+    drafts the host would propose (those before the request's last token)."""
+    from types import SimpleNamespace
+
+    from specserve.engine.device_loop import SamplingRows
+    from specserve.engine.sampler import SamplingRow, sampling_columns, sampling_flags
+    from specserve.spec.verify import verify_chains
+    from specserve_kernels.loop_glue import loop_accept_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    batch, k, vocab = 6, 3, 24
+    logits = torch.randn(batch * (k + 1), vocab, generator=gen) * 3
+    best = logits.argmax(dim=1).view(batch, k + 1)[:, :k]
+    drafts = torch.where(
+        torch.rand(batch, k, generator=gen) < 0.7, best, torch.randint(vocab, (batch, k), generator=gen)
+    )
+    valid = torch.arange(k)[None, :] < torch.randint(k + 1, (batch, 1), generator=gen)
+    fixed = [(0.9, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.1, 0, 0.9, 0.0), (0.0, 0, 1.0, 0.0)] * 2
+    reqs = [SimpleNamespace(sampling_fixed=fixed[b], seed=100 + b, prompt_len=3 + b) for b in range(batch)]
+    lengths = torch.tensor([3 + b + 2 * b for b in range(batch)])  # output index 2b
+    rooms = torch.randint(1, 7, (batch,), generator=gen)
+    limits = lengths + rooms
+    rows = SamplingRows(batch, torch.device("cpu"))
+    rows.write(reqs, batch)
+    flags = sampling_flags(*_flag_columns(fixed[:batch], sampling_columns))
+    target, matched = rows.verify(logits, lengths, limits, drafts, valid, flags)
+    hist = torch.zeros(batch, 64, dtype=torch.int64)
+    records = torch.zeros(batch, k + 3, dtype=torch.int64)
+    stops = torch.full((batch, 2), -1, dtype=torch.int64)
+    loop_accept_ref(target, matched, valid, hist, lengths.clone(), limits.clone(), stops, records)
+    taken = [target[b, : records[b, k + 1]].tolist() for b in range(batch)]
+    host_drafts = [drafts[b, : min(int(valid[b].sum()), int(rooms[b]) - 1)].tolist() for b in range(batch)]
+    host_rows, host_logits = [], []
+    for b, chain in enumerate(host_drafts):
+        for j in range(len(chain) + 1):
+            host_rows.append(SamplingRow(*fixed[b], 100 + b, 2 * b + j))
+            host_logits.append(logits[b * (k + 1) + j])
+    emitted = verify_chains(torch.stack(host_logits), host_rows, host_drafts)
+    assert taken == emitted
+
+
+def _flag_columns(fixed, columns):
+    floats, top_k = columns(fixed)
+    return floats[0], top_k, floats[1], floats[2]
+
+
+def test_sampled_switches_of_chain_length(small_vocab_target, monkeypatch):
+    """Sampling requests through switches of tier at every step (chains and off): the run a switch
+    queues draws them with the rows' sampling settings the loops share; a greedy row beside them
+    stays plain greedy decoding's, and sampling rows are drawn (not taken greedily)."""
+    prompts = _prompts(3, seed=41)
+    greedy = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    params = [greedy, SAMPLED[0], dataclasses.replace(SAMPLED[1], max_new_tokens=44)]
+    plain = _llm(small_vocab_target).generate(prompts, greedy)
+    spec = {**LOOP, "adaptive": {"tiers": ["off", 1, 2, 4], "profile": False}}
+    llm = _llm(small_vocab_target, spec)
+    cycle_tiers(llm.engine, [4, 0, 1, 2])
+    flights = check_loop_reservations(monkeypatch)
+    looped = llm.generate(prompts, params)
+    assert looped[0].token_ids == plain[0].token_ids
+    assert all(o.token_ids != p.token_ids for o, p in zip(looped[1:], plain[1:], strict=True))
+    assert switched_on_device(flights) >= 4
+    assert all(not f.flags.all_greedy for f in flights if len(f.live()) == 3)
 
 
 def test_a_run_whose_requests_filters_change_starts_afresh(small_vocab_target, flights):
@@ -469,6 +555,29 @@ def test_gpu_captured_sampling_loop_equals_the_host_path(smollm2_gguf, mtbench_q
     got_two = looped.generate(prompts[:2], params[:2])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.token_ids for o in got_two] == [o.token_ids for o in want_two]
+    assert launches and looped.engine.device_loop.sampled_graphs, "captured as runs needed them"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_sampled_chains_equal_the_synchronous_path(smollm2_gguf, mtbench_questions, launches):
+    """On a GPU, in fp32: n-gram chains of sampling requests (temperature, top-k, top-p, min-p and
+    greedy rows together) in the captured loop, their iterations captured per filter set as runs
+    need them: the synchronous speculative path's tokens and accepts, batch 5 and batch 2."""
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
+    params = [dataclasses.replace(p, max_new_tokens=96) for p in SAMPLED]
+    prompts = mtbench_questions[:5]
+    spec = {"method": "ngram", "num_steps": 4}
+    sync = LLM(str(smollm2_gguf), speculative={**spec, "device_steps": 0}, **common)
+    want = sync.generate(prompts, params)
+    want_two = sync.generate(prompts[:2], params[:2])
+    del sync
+    looped = LLM(str(smollm2_gguf), speculative={**spec, "device_steps": 8}, **common)
+    got = looped.generate(prompts, params)
+    got_two = looped.generate(prompts[:2], params[:2])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in got_two] == [o.token_ids for o in want_two]
+    assert [o.meta["spec_accept_histogram"] for o in got] == [o.meta["spec_accept_histogram"] for o in want]
     assert launches and looped.engine.device_loop.sampled_graphs, "captured as runs needed them"
 
 

@@ -10,6 +10,7 @@ synchronous drafts from the handed-back state must still be the from-scratch one
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -182,11 +183,12 @@ def test_loop_equals_plain_and_the_reference(small_vocab_target, heads, launches
 
 
 def test_hand_back_to_the_synchronous_path(small_vocab_target, heads, launches):
-    """Greedy requests run in the loop until a sampling request arrives; the synchronous path then
-    drafts for them from the state the loop handed back, and later the loop takes them again."""
+    """Greedy requests run in the loop until a request asking for logprobs arrives; the synchronous
+    path then drafts for them from the state the loop handed back, and later the loop takes them
+    again."""
     prompts = _prompts(128, seed=0)[5:8]
     greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-    sampling = SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True, return_logprob=True)
     reference = _llm(small_vocab_target).generate(prompts[:2], greedy)
     llm = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"])
     engine = llm.engine
@@ -205,12 +207,41 @@ def test_hand_back_to_the_synchronous_path(small_vocab_target, heads, launches):
                 finished[out.request_id] = out.token_ids
     assert [finished["a"], finished["b"]] == [o.token_ids for o in reference]
     before = len([n for n in launches if n > 0])
-    assert before >= 2, "the loop took the pair again after the sampling request finished"
+    assert before >= 2, "the loop took the pair again after the logprobs request finished"
     head = engine.drafter.head
     handed = [r for r in sync_records if len(r[0]) > len(prompts[0])]
     assert handed, "the synchronous path drafted for requests the loop handed back"
     _check_against_reference(small_vocab_target, head, handed, every=1)
     _check_against_reference(small_vocab_target, head, loop_records, every=3)
+
+
+SAMPLED = [
+    SamplingParams(max_new_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
+    SamplingParams(max_new_tokens=37, temperature=0.6, top_k=5, seed=2, ignore_eos=True),
+    SamplingParams(max_new_tokens=23, temperature=0.7, top_p=0.9, ignore_eos=True),
+    SamplingParams(max_new_tokens=41, temperature=0.0, ignore_eos=True),
+]
+
+
+def test_sampled_chains_equal_the_synchronous_path(small_vocab_target, heads, launches):
+    """Sampling requests beside a greedy one in the head's loop: its drafts are the head's argmax
+    (the from-scratch ones), the accept test the host path's rejection sampling of deterministic
+    drafts with its noise, so every request's tokens, accepts and verifies are the synchronous
+    path's; drafts do get accepted, and runs go on over several steps."""
+    prompts = _prompts(128, seed=0)[3::32]
+    sync = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"], device_steps=0).generate(
+        prompts, SAMPLED
+    )
+    llm = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"])
+    records = _record_loop_drafts(llm.engine.device_loop)
+    looped = llm.generate(prompts, SAMPLED)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in sync]
+    for o, s in zip(looped, sync, strict=True):
+        assert o.meta["spec_accept_histogram"] == s.meta["spec_accept_histogram"]
+    assert max(launches) > 0 and min(launches) < 0, "fresh runs and runs chained on them"
+    assert sum(o.meta["spec_accepted_tokens"] for o in looped[:3]) >= 5, "sampled drafts accepted"
+    assert len({tuple(o.token_ids) for o in looped}) == len(prompts)
+    assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, records, every=3) >= 5
 
 
 def test_adaptive_tiers(small_vocab_target, heads, launches):
@@ -315,6 +346,34 @@ def test_gpu_captured_head_loop_equals_plain(smollm2_gguf, mtbench_questions, la
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got_one.token_ids == want[0].token_ids
     assert min(launches) < 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_sampled_head_loop_equals_the_synchronous_path(
+    smollm2_gguf, mtbench_questions, launches
+):
+    """fp32 SmolLM2 on the GPU with the shipped EAGLE-3 head: sampling requests (with a greedy one)
+    in the captured head loop, their iteration captured for the run's filters, take the synchronous
+    path's tokens and accepts (drafts the head's argmax, the host's rejection test), batch 4."""
+    from pathlib import Path
+
+    import specserve
+
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 14, cuda_graph_max_batch=4)
+    head = Path(specserve.__file__).parent / "heads" / "smollm2-135m-instruct"
+    spec = {"method": "eagle3", "draft_model": str(head), "num_steps": 3}
+    params = [dataclasses.replace(p, max_new_tokens=80) for p in SAMPLED]
+    prompts = mtbench_questions[:4]
+    sync = LLM(str(smollm2_gguf), speculative={**spec, "device_steps": 0}, **common)
+    want = sync.generate(prompts, params)
+    del sync
+    looped = LLM(str(smollm2_gguf), speculative={**spec, "device_steps": 8}, **common)
+    got = looped.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.meta["spec_accept_histogram"] for o in got] == [o.meta["spec_accept_histogram"] for o in want]
+    assert min(launches) < 0 and looped.engine.device_loop.sampled_graphs
+    assert sum(o.meta["spec_accepted_tokens"] for o in got[:3]) > 20, "sampled drafts accepted"
 
 
 @pytest.mark.gpu

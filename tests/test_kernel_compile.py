@@ -5,7 +5,7 @@ unsupported constructs that only it rejects would first show on the GPU machine.
 ahead of time for a named target with the ptxas it bundles, no driver needed; this does so for one
 variant of each kernel (the SmolLM2 shapes: decode tile with split-K and a tree mask, prefill tile,
 RoPE + KV write, residual add + RMSNorm, the fused linear and q/k/v kernels in
-their tile and GEMV forms, the device loop's glue), in a subprocess because this process's triton runs in interpreter mode.
+their tile and GEMV forms, the device loop's glue, sampling's race draw), in a subprocess because this process's triton runs in interpreter mode.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from specserve_kernels import fused_linear as fl, loop_glue as lg, paged_attention as pa, rms_norm as rn, rope_store as rs
+    from specserve_kernels import race_draw as rd
 
     FLOATS = {"scale_log2", "eps"}
 
@@ -73,6 +74,9 @@ COMPILE = textwrap.dedent(
     compile_(lg._loop_prepare_kernel, glue, dict(NUM_STEPS=5, MIN_MATCH=1, MAX_MATCH=4, PAGE_SIZE=16, BLOCK=1024, BLOCK_Q=8, LOOKUP=True))
     compile_(lg._loop_prepare_kernel, glue, dict(NUM_STEPS=5, MIN_MATCH=1, MAX_MATCH=4, PAGE_SIZE=16, BLOCK=1024, BLOCK_Q=8, LOOKUP=False))
     compile_(lg._loop_accept_kernel, glue, dict(NUM_STEPS=5, NUM_STOPS=8, BLOCK_Q=8, BLOCK_S=8), 1)
+    race = {"default": "*i64", "probs_ptr": "*fp32", "best_ptr": "*fp64"}
+    compile_(rd._race_slices_kernel, race, dict(SPLITS=8, BLOCK=1024))
+    compile_(rd._race_pick_kernel, race, dict(SPLITS=8, BLOCK_S=8), 1)
     print("compiled")
     """
 )

@@ -16,7 +16,6 @@ import torch
 from head_reference import reference_step_logits
 
 from specserve import LLM, SamplingParams
-from specserve.engine.sampler import SamplingBatch, filtered_probs
 from specserve.model.head_checkpoint import load_head, random_head, save_head
 
 CPU = torch.device("cpu")
@@ -73,25 +72,20 @@ def _record_drafts(llm: LLM) -> list[tuple]:
 @pytest.mark.parametrize("name", list(HEADS))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_drafts_equal_a_from_scratch_computation(target, heads, name, temperature):
+    """Every chain is the head's argmax from scratch, for sampling requests too: a head's drafts are
+    deterministic (verify takes them as one-hot q). Extends over accepted sampled drafts are checked
+    with trained heads (tests/test_head_loop.py: random heads' drafts are rarely accepted)."""
     method = HEADS[name][0]
     llm = _llm(target, method, heads[name], 5, page_size=4, max_batched_tokens=24)
     records = _record_drafts(llm)
     params = SamplingParams(max_new_tokens=24, temperature=temperature, top_k=40, seed=1, ignore_eos=True)
-    outs = llm.generate(_prompts(4), params)
-    if temperature > 0:  # random heads' samples overlap a small-vocabulary target's often
-        assert sum(o.meta["spec_accepted_tokens"] for o in outs) > 10, "extends over accepted drafts untested"
+    llm.generate(_prompts(4), params)
     head = llm.engine.drafter.head
     checked = 0
-    for verified, drafts, probs, req in records[::3]:
+    for verified, drafts, probs, _ in records[::3]:
+        assert probs is None, "a head's drafts carry no q"
         ref = reference_step_logits(target.model, head, verified, drafts)
-        assert len(ref) == len(drafts)
-        for s, logits in enumerate(ref):
-            if temperature == 0:
-                assert head.to_target_ids(logits.argmax())[None].item() == drafts[s], (name, s)
-            else:
-                batch = SamplingBatch.build([req.sampling_row(len(verified) - req.prompt_len + s)], "cpu")
-                q = head.to_target_probs(filtered_probs(logits[None], batch), VOCAB)[0]
-                torch.testing.assert_close(probs[s], q, atol=1e-5, rtol=1e-4)
+        assert [head.to_target_ids(logits.argmax())[None].item() for logits in ref] == drafts, name
         checked += 1
     assert checked >= 5
 

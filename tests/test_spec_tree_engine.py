@@ -16,7 +16,6 @@ from head_reference import reference_step_logits
 
 from specserve import LLM, SamplingParams
 from specserve.engine.request import Request
-from specserve.engine.sampler import SamplingBatch, filtered_probs
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings
 from specserve.engine.step_input import build_step_input
@@ -147,10 +146,10 @@ def _row_paths(tree) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_head_trees_equal_a_from_scratch_computation(target, heads, method, temperature):
-    """Every expanded node of every tree (its candidates, and for sampling requests the q they were
-    drawn from) equals the head run from scratch along that node's path (head_reference.py): the
-    forest feeds, the tree masks, the MTP hidden-state chaining per path and the extend over the
-    accepted path are all exact. Chunked prefill and pages of 4 included."""
+    """Every expanded node of every tree (its candidates: the top k, for sampling requests too, a
+    head's trees being deterministic) equals the head run from scratch along that node's path
+    (head_reference.py): the forest feeds, the tree masks, the MTP hidden-state chaining per path and
+    the extend over the accepted path are all exact. Chunked prefill and pages of 4 included."""
     llm = _llm(
         target, method, heads[method], page_size=4, max_batched_tokens=24, spec={"num_steps": 4, "topk": 3}
     )
@@ -159,21 +158,16 @@ def test_head_trees_equal_a_from_scratch_computation(target, heads, method, temp
     llm.generate(_prompts(3, seed=2), params)
     head = llm.engine.drafter.head
     checked = 0
-    for verified, tree, num_output, req in records[::4]:
+    for verified, tree, _, _ in records[::4]:
+        assert tree.q is None, "a head's tree carries no q"
         paths = _row_paths(tree)
         for r, path in enumerate(paths):
             cands = [int(t) for t in tree.cand_tokens[r] if t >= 0]
             if not cands:
                 continue
             logits = reference_step_logits(target.model, head, verified, [*path, 0])[len(path)]
-            if temperature == 0:
-                expected = head.to_target_ids(logits.topk(len(cands)).indices).tolist()
-                assert cands == expected, (method, r)
-            else:
-                batch = SamplingBatch.build([req.sampling_row(num_output + len(path))], "cpu")
-                q = head.to_target_probs(filtered_probs(logits[None], batch), VOCAB)[0]
-                torch.testing.assert_close(tree.q[r], q, atol=1e-5, rtol=1e-4)
-                assert (q[cands] > 0).all() and len(set(cands)) == len(cands)
+            expected = head.to_target_ids(logits.topk(len(cands)).indices).tolist()
+            assert cands == expected, (method, r)
             checked += 1
     assert checked >= 10
 

@@ -129,7 +129,7 @@ def time_draft(engine: Engine, batch: int, tier: Tier, repeats: int) -> float:
             req.draft, req.draft_probs, req.draft_tree = [], None, None
             req.draft_computed, req.draft_state, req.num_computed = 0, None, len(req.token_ids) - 1
         if features is not None:
-            feeds = [TargetFeed(r, 0, [0], [i], True, r.num_output) for i, r in enumerate(reqs)]
+            feeds = [TargetFeed(r, 0, [0], [i], True) for i, r in enumerate(reqs)]
             drafter.after_target(feeds, features)
         if tier.topk > 1:
             drafter.draft_tree(reqs, [tier.num_steps] * batch, tier.topk, tier.num_draft_tokens)

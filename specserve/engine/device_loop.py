@@ -1,4 +1,4 @@
-"""Steps queued back to back on the device: n-gram chains of greedy requests, and plain decoding.
+"""Steps queued back to back on the device: n-gram chains, and plain decoding.
 
 A speculative step's host work (read the verify's tokens, look up the next draft, build and copy the
 next input) sits between two forwards, so at batch 1 the GPU idles for most of a step: a verify of
@@ -16,7 +16,10 @@ Per iteration and request (the verify bucket's static inputs written on the devi
   by the caller beforehand);
 - the accept test: leading drafts equal to the argmax of their rows (drafts past the lookup's
   match count as misses), then the argmax of the first rejected row: exactly the tokens the
-  synchronous greedy verify emits, as the same forward computes them;
+  synchronous greedy verify emits, as the same forward computes them. For sampling requests the
+  host path's rejection test of deterministic drafts (`SamplingRows.verify`): a draft passes with
+  the target's probability of it, the first that fails takes a draw from the rest, and the draws
+  use the host's counter-hashed noise, so the tokens are the synchronous path's;
 - the append: at most `limits[b] - len` tokens (the request's own length limit, capped so every
   position stays inside the graph's context), cut after a stop id (the host's finish check still
   runs on every token, stop strings included, and cuts the same place or earlier); a request that
@@ -28,7 +31,8 @@ device; a finished request's row runs on idle in the runs after it while more th
 the rows run (`carries`). Tokens past a stop only cost the run's remaining steps; `plan_steps` sizes
 a run by the tokens a step has lately given. With adaptive speculation each chain tier has a loop, run for the
 tier the policy holds (`Engine.device_loop`). The loops share one `LoopState` (histories, lengths,
-limits, stop ids; a head's seeds live in the draft graphs' chain buckets, shared too), so a switch of
+limits, stop ids, sampling settings; a head's seeds live in the draft graphs' chain buckets, shared
+too), so a switch of
 tier queues the new tier's run behind the one in flight (`DeviceLoop.follows`) rather than settling
 it first and setting up a fresh run while the device idles.
 
@@ -59,6 +63,7 @@ from specserve.engine.sampler import (
 )
 from specserve.executor.cuda_graphs import CudaGraphs, capture
 from specserve.spec.adaptive import configured_tiers
+from specserve.spec.verify import one_hot_chain_rows
 from specserve_kernels import use_triton
 from specserve_kernels.argmax import row_argmax, row_argmax_ref
 from specserve_kernels.loop_glue import loop_accept, loop_accept_ref, loop_prepare, loop_prepare_ref
@@ -98,25 +103,8 @@ class LoopRecords:
     done: torch.cuda.Event | None
 
 
-class LoopState:
-    """What a request is on the device between runs, whatever the chain length: its token history,
-    length, limit and stop ids, one row per request, as wide as the largest batch bucket. The loops
-    of one engine share it; `max_steps` is the longest chain among them (limits leave room for its
-    verify), `owner` the loop whose run was queued last (a run of another loop queued behind it
-    first writes its own bucket's constants, `DeviceLoop._switch_in`)."""
-
-    def __init__(self, batch: int, max_context: int, max_steps: int, device: torch.device) -> None:
-        self.max_steps = max_steps
-        # Room for the last append past a request's limit: writes never go out of the row.
-        self.hist = torch.zeros(batch, max_context + max_steps + 1, dtype=torch.int64, device=device)
-        self.lengths = torch.ones(batch, dtype=torch.int64, device=device)
-        self.limits = torch.zeros(batch, dtype=torch.int64, device=device)
-        self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
-        self.owner: DeviceLoop | None = None
-
-
 class SamplingRows:
-    """What plain decoding's loop samples a row with besides its logits: the request's temperature,
+    """What the loop samples a request's rows with besides their logits: its temperature,
     top_p and min_p ([3, B] float32), top_k, seed and prompt length (its counter, the output index
     being drawn, is its length less that), as the host path's `SamplingBatch` holds them."""
 
@@ -136,22 +124,72 @@ class SamplingRows:
         self.fixed[:, :batch].copy_(to_device(torch.from_numpy(fixed), device))
         self.ints[:, :batch].copy_(to_device(torch.from_numpy(ints), device))
 
-    def draw(self, logits: torch.Tensor, lengths: torch.Tensor, flags: SamplingFlags) -> torch.Tensor:
-        """The host path's `sample` of rows [B, V] with these filters, each row's counter its length
-        less its prompt: the same tokens the host draws for the same batch."""
-        batch = logits.shape[0]
+    def verify(
+        self,
+        logits: torch.Tensor,
+        lengths: torch.Tensor,
+        limits: torch.Tensor,
+        drafts: torch.Tensor,
+        valid: torch.Tensor,
+        flags: SamplingFlags,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host path's sampled verify of each request's chain (drafts [B, k], verify rows
+        [B * (k + 1), V] with these filters; k = 0: plain decoding's `sample`), row j of a request
+        counting its output index as its length less its prompt, plus j. Returns per row the token
+        the chain emits if it gets that far [B, k + 1], and the drafts as the accept should match
+        them (-1 where the accept test failed). A draft counts only inside the request's room less
+        one, as the host proposes them: the last token a request may take is always drawn."""
+        batch, k = drafts.shape
+        rows = k + 1
         top_k, seed, prompt = self.ints[:, :batch]
-        return sample(logits, device_batch(self.fixed[:, :batch], top_k, seed, lengths - prompt, flags))
+        steps = torch.arange(rows, device=logits.device)
+        sampling = device_batch(
+            self.fixed[:, :batch, None].expand(3, batch, rows).reshape(3, -1),
+            top_k[:, None].expand(batch, rows).reshape(-1),
+            seed[:, None].expand(batch, rows).reshape(-1),
+            ((lengths - prompt)[:, None] + steps).reshape(-1),
+            flags,
+        )
+        if k == 0:
+            return sample(logits, sampling).view(batch, 1), drafts
+        has = valid & (steps[None, :k] < (limits - lengths - 1)[:, None])
+        tokens, ok = one_hot_chain_rows(
+            logits,
+            sampling,
+            torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1).view(-1),
+            torch.cat([has, torch.zeros_like(has[:, :1])], dim=1).view(-1),
+        )
+        return tokens.view(batch, rows), torch.where(ok.view(batch, rows)[:, :k], drafts, -1)
+
+
+class LoopState:
+    """What a request is on the device between runs, whatever the chain length: its token history,
+    length, limit, stop ids and sampling settings, one row per request, as wide as the largest batch
+    bucket, and the sampling filters of the run's rows (`flags`). The loops of one engine share it;
+    `max_steps` is the longest chain among them (limits leave room for its verify), `owner` the
+    loop whose run was queued last (a run of another loop queued behind it first writes its own
+    bucket's constants, `DeviceLoop._switch_in`)."""
+
+    def __init__(self, batch: int, max_context: int, max_steps: int, device: torch.device) -> None:
+        self.max_steps = max_steps
+        # Room for the last append past a request's limit: writes never go out of the row.
+        self.hist = torch.zeros(batch, max_context + max_steps + 1, dtype=torch.int64, device=device)
+        self.lengths = torch.ones(batch, dtype=torch.int64, device=device)
+        self.limits = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
+        self.sampling = SamplingRows(batch, device)
+        self.flags = GREEDY
+        self.owner: DeviceLoop | None = None
 
 
 class DeviceLoop:
-    """Greedy n-gram chains of `num_steps` drafts, verified in the (batch, num_steps + 1) buckets of
+    """N-gram chains of `num_steps` drafts, verified in the (batch, num_steps + 1) buckets of
     `graphs`. Its state (histories, lengths, limits, stop ids) lives in static buffers as wide as
     the largest bucket (`state`: shared with the engine's other loops; else its own); on CUDA one
     iteration, glue and forward, is captured per batch bucket (at construction, over inactive rows,
-    so the capture run changes nothing). `samples` (plain decoding only, no drafts): sampling
-    requests run too, drawn as the host path draws them, their iteration captured per (batch bucket,
-    the run's `SamplingFlags`) when a run first needs it."""
+    so the capture run changes nothing). Sampling requests run too, verified (and with no drafts,
+    drawn) as the host path does it: their iteration is captured per (batch bucket, the run's
+    `SamplingFlags`) when a run first needs it."""
 
     def __init__(
         self,
@@ -161,7 +199,6 @@ class DeviceLoop:
         max_match: int,
         max_context: int,
         state: LoopState | None = None,
-        samples: bool = False,
     ) -> None:
         self.graphs, self.num_steps = graphs, num_steps
         self.min_match, self.max_match = min_match, max_match
@@ -194,8 +231,6 @@ class DeviceLoop:
         self.accept = loop_accept if kernels else loop_accept_ref
         self.argmax = row_argmax if kernels else row_argmax_ref
         self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sampling = SamplingRows(batch, device) if samples and num_steps == 0 else None
-        self.flags = GREEDY  # the filters of the run queued last (its rows')
         self.sampled_graphs: dict[tuple[int, SamplingFlags], torch.cuda.CUDAGraph] = {}
         self._pinned: list[torch.Tensor | None] = [None] * 3
         self._next_pinned = 0
@@ -211,14 +246,14 @@ class DeviceLoop:
         return True
 
     @property
-    def samples(self) -> bool:
-        """Whether sampling requests may run (plain decoding's loop); else greedy ones only."""
-        return self.sampling is not None
+    def flags(self) -> SamplingFlags:
+        """The sampling filters of the run queued last (its rows'), whichever loop queued it."""
+        return self.state.flags
 
     def flags_of(self, reqs: list[Request]) -> SamplingFlags:
         """The filters the host path's `SamplingBatch` of these requests would use: a run keeps
         them (a run whose requests' flags changed is not resumed, `Engine._loop_launch`)."""
-        if self.sampling is None or all(r.greedy for r in reqs):
+        if all(r.greedy for r in reqs):
             return GREEDY
         fixed, top_k = sampling_columns([r.sampling_fixed for r in reqs])
         return sampling_flags(fixed[0], top_k, fixed[1], fixed[2])
@@ -250,13 +285,16 @@ class DeviceLoop:
     def follows(self, other: DeviceLoop, batch: int) -> bool:
         """Whether a run of this loop over `batch` rows can be queued behind a run of `other` over
         the same rows, the requests' state staying on the device: the same loop, or one sharing its
-        state whose run takes the same batch bucket (the rows past the batch stay the pad rows)."""
+        state whose run takes the same batch bucket (the rows past the batch stay the pad rows) and
+        that has its iteration of the run's sampling filters captured (a capture runs over inactive
+        rows: a run a switch queues cannot capture it)."""
         if other is self:
             return True
         return (
             other.state is self.state
             and batch <= self.max_batch
             and self.bucket(batch) == other.bucket(batch)
+            and (not self.graphs.captured or self._graph(self.bucket(batch)) is not None)
         )
 
     def launch(
@@ -280,11 +318,10 @@ class DeviceLoop:
             if self.state.owner is not self:
                 self._switch_in(batch)
         else:
-            self.flags = self.flags_of(reqs)
+            self.state.flags = self.flags_of(reqs)
             self._capture_sampled(batch)  # before the rows are set up: it runs over inactive ones
             self._setup(reqs, limits, stop_ids, batch)
-            if self.sampling is not None:
-                self.sampling.write(reqs, batch)
+            self.state.sampling.write(reqs, batch)
         self.state.owner = self
         out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
         graph = self._graph(batch)
@@ -371,8 +408,8 @@ class DeviceLoop:
         hidden, aux, logits = self.graphs.forward(graph)
         if self.flags.all_greedy:
             target = self.argmax(logits).view(batch, self.query_len)
-        else:  # plain decoding's sampled rows (one a request)
-            target = self.sampling.draw(logits, lengths, self.flags).view(batch, 1)
+        else:  # the accept then matches each draft its test passed
+            target, drafts = self.state.sampling.verify(logits, lengths, limits, drafts, valid, self.flags)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
         return graph, target, hidden if aux is None else aux
 
@@ -507,7 +544,7 @@ def make_device_loops(
     else:
         match = spec.ngram_min_match, spec.ngram_max_match
         loops = {
-            k: DeviceLoop(graphs, k, *match, max_context, state, samples=k == 0)
+            k: DeviceLoop(graphs, k, *match, max_context, state)
             for k in [*_off_loop(spec, lengths), *lengths]
         }
     loops = {k: loop for k, loop in loops.items() if loop.batch_sizes}
@@ -537,7 +574,7 @@ def make_plain_loop(
     steps = _run_steps(decode_steps, default, "decode_steps", graphs, single_rank)
     if steps <= 0:
         return {}, 0
-    loop = DeviceLoop(graphs, 0, 1, 1, max_context, samples=True)
+    loop = DeviceLoop(graphs, 0, 1, 1, max_context)
     return ({0: loop}, steps) if loop.batch_sizes else ({}, 0)
 
 
@@ -557,14 +594,13 @@ def _run_steps(
     return steps
 
 
-def loop_ready(req: Request, settled: bool = True, sampled: bool = False) -> bool:
-    """A request the loop can run now: decoding, greedy (or sampled, where the loop samples:
-    `sampled`), nothing in flight (`settled`: else, once its step in flight settles), no logprobs to
-    record, past min_new_tokens (whose bans the loop does not apply)."""
+def loop_ready(req: Request, settled: bool = True) -> bool:
+    """A request the loop can run now: decoding, nothing in flight (`settled`: else, once its step
+    in flight settles), no logprobs to record, past min_new_tokens (whose bans the loop does not
+    apply)."""
     p = req.params
     return (
         req.decoding
-        and (req.greedy or sampled)
         and not (settled and req.num_pending)
         and not p.return_logprob
         and req.num_output >= p.min_new_tokens

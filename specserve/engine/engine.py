@@ -622,7 +622,7 @@ class Engine:
         reqs = self.scheduler.running
         if loop is None or self.scheduler.waiting or not reqs or len(reqs) > loop.max_batch:
             return False
-        return all(loop_ready(r, settled, loop.samples) for r in reqs)
+        return all(loop_ready(r, settled) for r in reqs)
 
     @property
     def device_loop(self) -> DeviceLoop | None:
@@ -1151,7 +1151,7 @@ def _target_feeds(
         if index in drawn_at:  # known tokens first, then the rows the emitted tokens were drawn at
             last = offset + item.num_known - 1
             rows = [*range(offset, last), *(last + r for r in drawn_at[index])]
-        feeds.append(TargetFeed(req, item.start, tokens, rows, bool(new), req.num_output + len(new)))
+        feeds.append(TargetFeed(req, item.start, tokens, rows, bool(new)))
         offset += item.num_tokens
     return feeds
 

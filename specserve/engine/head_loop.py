@@ -1,4 +1,4 @@
-"""The device loop with a hidden-state head drafting: greedy EAGLE / EAGLE-3 chains queued back to back.
+"""The device loop with a hidden-state head drafting: EAGLE / EAGLE-3 chains queued back to back.
 
 `DeviceLoop` runs n-gram chains, whose drafts come from the token history. A head's drafts come
 from its own forwards, which read the target's features, and those can stay on the device too. One
@@ -7,9 +7,10 @@ iteration per request, all captured in one graph per batch bucket:
 - the chain: steps 1 .. k-1 of the head's greedy chain (`DraftGraphs`' chain forward) from the seed,
   tail and newest extended position the last extend left in the chain bucket's static inputs;
 - the verify input from those drafts (`loop_prepare` with `given` drafts), the target's forward, the
-  greedy accept and append (`loop_accept`), as in `DeviceLoop`;
+  accept (greedy, or for sampling requests the host path's test of deterministic drafts) and
+  append (`loop_accept`), as in `DeviceLoop`;
 - the extend at a fixed shape: the head's module over every verify row, row i pairing the token that
-  follows its position (the verify's argmax there) with the target's feature at it, its KV at the
+  follows its position (the verify's token there: the draft it accepted, else its draw) with the target's feature at it, its KV at the
   verify's own slots. Rows past the accepted ones write head KV at positions the next extend
   rewrites before anything reads them (the chain writes each position before it attends to it),
   so the head's KV ends up as the synchronous extend over the accepted tokens leaves it. The last
@@ -75,11 +76,6 @@ class HeadDeviceLoop(DeviceLoop):
             bucket.steps.zero_()
             bucket.base.zero_()
 
-    def launch(self, reqs, limits, stop_ids, iterations, resume=False):
-        if not resume:
-            self._seed(reqs)
-        return super().launch(reqs, limits, stop_ids, iterations, resume)
-
     def hand_back(self, reqs: list[Request]) -> None:
         """Each request's head state as the loop left it: the last extend's seed and tail at the
         request's newest verified position - 1 (what `HeadDrafter.after_target` would have stored)."""
@@ -124,8 +120,11 @@ class HeadDeviceLoop(DeviceLoop):
         self._share_pages(batch)
 
     def _setup(self, reqs, limits, stop_ids, batch: int) -> None:
+        """A fresh run's rows, and the chain bucket seeded from the requests' head state (after any
+        capture the run needed: a capture resets the bucket's rows)."""
         super()._setup(reqs, limits, stop_ids, batch)
         self._share_pages(batch)
+        self._seed(reqs)
 
     def _share_pages(self, batch: int) -> None:
         """The draft graphs' page table rows: the target's (the head's KV lives on the same pages)."""

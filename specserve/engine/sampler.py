@@ -35,16 +35,16 @@ import numpy as np
 import torch
 
 from specserve.engine.host_copy import to_device
+from specserve_kernels import use_triton
+from specserve_kernels.race_draw import MASK32, MUL_A, MUL_B, SALT_TOKEN, race_draw, race_draw_ref
 
-_MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31 (from Wellons' hash prospector, "lowbias32"): with 32-bit lanes every
 # product stays below 2**63, so int64 tensors never overflow (signed overflow is UB in C++ kernels).
-_MUL_A = 0x21F0AAAD
-_MUL_B = 0x735A2D97
+# They, the token id's salt and the mask are the race kernel's too, which hashes inline.
+_MASK32, _MUL_A, _MUL_B, _SALT_TOKEN = MASK32, MUL_A, MUL_B, SALT_TOKEN
 # Domain separators so that seed halves, counter and token id cannot cancel each other.
 _SALT_SEED = 0x3C6EF372
 _SALT_COUNTER = 0x1B873593
-_SALT_TOKEN = 0x5BD1E995
 # Logits over this temperature stay finite in float32 (|logit| < 3e8): below it the division
 # overflowed. Every distribution this low is the argmax's (ties aside) anyway.
 MIN_TEMPERATURE = 1e-30
@@ -136,12 +136,18 @@ class SamplingBatch:
         return self.temperature.shape[0]
 
     def noise(self, vocab_size: int, salt: int = 0) -> torch.Tensor:
-        """`uniform_noise(seed, counter, vocab_size, salt=salt)` of every row, its row keys folded
-        on the host where the batch has its columns there."""
-        if salt and self.host is not None:
-            return uniform_noise_host(*self.host, vocab_size, self.seed.device, salt=salt)
-        key = self.noise_key if salt == 0 else _row_key(self.seed, self.counter, salt)
-        return _noise_from_key(key, vocab_size)
+        """`uniform_noise(seed, counter, vocab_size, salt=salt)` of every row."""
+        return noise_from_key(self.row_keys(salt), vocab_size)
+
+    def row_keys(self, salt: int = 0) -> torch.Tensor:
+        """[B] int64 each row's noise key for `salt`, folded on the host where the batch has its
+        columns there."""
+        if salt == 0:
+            return self.noise_key
+        if self.host is not None:
+            seeds, counters = self.host
+            return to_device(torch.from_numpy(_row_key(seeds, counters, salt)), self.seed.device)
+        return _row_key(self.seed, self.counter, salt)
 
 
 class SamplingFlags(NamedTuple):
@@ -207,13 +213,18 @@ def greedy_tokens(logits: torch.Tensor, banned: torch.Tensor | None = None) -> t
     return _mask_banned(logits, banned).argmax(dim=-1)
 
 
-def sample_from_probs(probs: torch.Tensor, batch: SamplingBatch, *, salt: int = 0) -> torch.Tensor:
-    """Draw one token per row from given probabilities [B, V] (need not be normalised). Salt 0 is the
-    noise `sample` uses; speculative verify draws residuals with it and drafts with another salt."""
-    u = batch.noise(probs.shape[-1], salt)  # == uniform_noise(seed, counter, V, salt=salt)
+def sample_from_probs(
+    probs: torch.Tensor, batch: SamplingBatch, *, salt: int = 0, drop: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Draw one token per row from given probabilities [B, V] float32 (need not be normalised). Salt
+    0 is the noise `sample` uses; speculative verify draws residuals with it and drafts with another
+    salt. `drop` ([B] int64, -1: none): draw from p with that token removed (a rejected
+    deterministic draft's residual), or from p where nothing else is left."""
     # Exponential race: argmax p/E with E ~ Exp(1) picks v with probability p_v. Greedy rows have
-    # one-hot probs, so the race returns their argmax too; zero-probability tokens never win.
-    return (probs.double() / -torch.log(u)).argmax(dim=-1)
+    # one-hot probs, so the race returns their argmax too; zero-probability tokens never win. One
+    # pass on the GPU (`kernels/race_draw.py`), the [B, V] noise never stored.
+    draw = race_draw if use_triton(probs.device) else race_draw_ref
+    return draw(probs.contiguous(), batch.row_keys(salt), drop)
 
 
 def filtered_probs(
@@ -285,7 +296,7 @@ def uniform_noise(
     32-bit hash ``h``: exact in float64, never 0 or 1.
     """
     key = _row_key(seed.to(torch.int64), counter.to(torch.int64), salt)
-    return _noise_from_key(key, vocab_size)
+    return noise_from_key(key, vocab_size)
 
 
 def uniform_noise_host(
@@ -294,7 +305,7 @@ def uniform_noise_host(
     """``uniform_noise`` of host seeds and counters (int64 arrays): the row keys are folded on the
     host, one copy instead of some twenty small device operations."""
     key = _row_key(np.asarray(seed, dtype=np.int64), np.asarray(counter, dtype=np.int64), salt)
-    return _noise_from_key(to_device(torch.from_numpy(key), device), vocab_size)
+    return noise_from_key(to_device(torch.from_numpy(key), device), vocab_size)
 
 
 # Below this many rows the row keys are folded in Python (a seed's half cached), above with numpy.
@@ -328,7 +339,7 @@ def _row_key(seed, counter, salt: int = 0):
     return _counter_key(_mix32(key ^ (seed & _MASK32)), counter)
 
 
-def _noise_from_key(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def noise_from_key(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Hash each row key [B] with every token id: the [B, V] part of ``uniform_noise``."""
     token_key = _token_keys(vocab_size, key.device)  # [V], shared by all rows
     key = key.unsqueeze(-1)

@@ -29,16 +29,14 @@ class TargetFeed:
     """What one scheduled request's target forward gives a hidden-state drafter: positions
     `start ...` have features at `rows` of the step's feature tensor, and `tokens` are the tokens
     that follow them (each position's next token). `seed`: the request will decode next, so the
-    last pair's prediction is its first draft, which proposes output token `next_output`. After a
-    tree verify the rows are the accepted path's (root, then each accepted node): its features
-    compacted to consecutive positions."""
+    last pair's prediction is its first draft. After a tree verify the rows are the accepted path's
+    (root, then each accepted node): its features compacted to consecutive positions."""
 
     request: Request
     start: int
     tokens: list[int]
     rows: Sequence[int]
     seed: bool
-    next_output: int
 
 
 class Drafter:
@@ -89,14 +87,21 @@ def choose_drafts(
     ids and, when any row samples, q over the target vocabulary [R, vocab] (one-hot on greedy rows).
     `counters[i]` is the output index the draft on row i proposes (seeds its noise)."""
     if all(r.greedy for r in reqs):  # greedy: no sampling rows to build
-        top1 = draft_top1 if use_triton(logits.device) else draft_top1_ref
-        ids, _ = top1(logits)
-        return to_target_ids(ids).tolist(), None
+        return greedy_drafts(logits, to_target_ids), None
     rows = [r.sampling_row(c) for r, c in zip(reqs, counters, strict=True)]
     batch = SamplingBatch.build(rows, logits.device)
     q = filtered_probs(logits, batch)
     ids = sample_from_probs(q, batch, salt=DRAFT_SALT)
     return to_target_ids(ids).tolist(), to_target_probs(q, vocab)
+
+
+def greedy_drafts(
+    logits: torch.Tensor, to_target_ids: Callable[[torch.Tensor], torch.Tensor] = lambda ids: ids
+) -> list[int]:
+    """The argmax of each row of draft logits [R, V_draft] as target ids (top-1 in one fused pass)."""
+    top1 = draft_top1 if use_triton(logits.device) else draft_top1_ref
+    ids, _ = top1(logits)
+    return to_target_ids(ids).tolist()
 
 
 def resolve_drafts(drafts: Sequence[Sequence[int]], pending: Sequence[int]) -> list[list[int]]:

@@ -31,6 +31,13 @@ step i of a draft chain started at p - i would give it.
   is new to that path), else module m's own. Shared ancestors are recomputed, not kept per branch.
   After verify, the extend runs over the accepted path (`TargetFeed.rows`), rewriting that KV.
 
+A head's drafts are its argmax (a tree's: the top-k by cumulative log-probability) for sampling
+requests too: verify then takes each as a one-hot q, accepting it with the target's probability of
+it, which is lossless for any drafts (`specserve/spec/verify.py`), as SGLang's and vLLM's EAGLE
+verifies do. Drawn drafts accepted a little more at T = 0.7 (2.14 against the greedy chain's figure
+in docs/draft-training.md), but only deterministic ones run in the draft graphs and the device loop,
+which sampling requests then share with greedy ones.
+
 Every draft is therefore a pure function of the token sequence (invariant 5; the tests compare it
 with a from-scratch computation), except after a prefix-cache hit, where the MTP tails at the cached
 boundary are unknown and taken as zero: that costs acceptance, never correctness.
@@ -51,7 +58,7 @@ from specserve.engine.request import Request
 from specserve.engine.step_input import build_draft_input, build_forest_input
 from specserve.model.draft_heads import DraftHead
 from specserve.spec.draft_graphs import DeviceTokens, DraftGraphs, DraftGraphShapes
-from specserve.spec.drafter import Drafter, TargetFeed, choose_drafts
+from specserve.spec.drafter import Drafter, TargetFeed, greedy_drafts
 from specserve.spec.tree import Expansion, TreeSearch, tree_feed
 
 # Positions of target features a request keeps while nothing drafts, before the head extends over them.
@@ -65,7 +72,6 @@ class HeadState:
     position: int  # the newest extended position (the request's last verified token - 1)
     tails: torch.Tensor  # [k, H] each module's output at `position`
     token: int | None = None  # the first draft (None when the request will not decode next)
-    q: torch.Tensor | None = None  # [V] its distribution, for sampling requests
     logits: torch.Tensor | None = None  # [V_draft] the draft logits it came from (trees start there)
     # With draft graphs, a greedy first draft stays on the device until read: row `seed_row` of it.
     seeds: DeviceTokens | None = None
@@ -169,11 +175,7 @@ class HeadDrafter(Drafter):
 
     def _catch_up(self, reqs: list[Request]) -> None:
         """Extend over the backlogs of requests about to draft (their seed comes from it)."""
-        feeds = [
-            TargetFeed(r, r.num_computed, [], [], True, r.num_output)
-            for r in reqs
-            if r.draft_backlog is not None
-        ]
+        feeds = [TargetFeed(r, r.num_computed, [], [], True) for r in reqs if r.draft_backlog is not None]
         if feeds:
             self.after_target(feeds, None)
 
@@ -197,7 +199,7 @@ class HeadDrafter(Drafter):
             parts.extend(backlog.features())
             offset += len(backlog.tokens)
             tokens = backlog.tokens + list(f.tokens)
-            out.append(TargetFeed(f.request, backlog.start, tokens, rows, f.seed, f.next_output))
+            out.append(TargetFeed(f.request, backlog.start, tokens, rows, f.seed))
         return out, torch.cat(parts) if parts else features
 
     def after_target(self, feeds: list[TargetFeed], features: torch.Tensor | None) -> None:
@@ -267,36 +269,31 @@ class HeadDrafter(Drafter):
         """Each feed's state: `tails` [B, k, H]; `seed_logits(index)`: module 0's draft logits at the
         last rows of feeds `index` (those that seed a draft; None: every feed, no index copied)."""
         seeded = [b for b, f in enumerate(feeds) if f.seed]
-        tokens, q, logits, seeds = [], None, None, None
+        tokens, logits, seeds = [], None, None
         if seeded:
             every = len(seeded) == len(feeds)
             logits = seed_logits(None if every else to_device(torch.tensor(seeded), self.device))
-            reqs = [feeds[b].request for b in seeded]
-            if self.graphs is not None and all(r.params.greedy for r in reqs):
+            if self.graphs is not None:
                 # Read with verify's results and the chain's drafts (one host sync a step), or
                 # when first needed.
                 seeds = DeviceTokens(self.graphs.greedy_tokens(logits))
             else:
-                counters = [feeds[b].next_output for b in seeded]
-                tokens, q = self._choose(logits, reqs, counters)
+                tokens = greedy_drafts(logits, self.head.to_target_ids)
         by_feed = dict(zip(seeded, range(len(seeded)), strict=True))
         # Every row's view in one call each (indexing a tensor row by row costs microseconds a row).
         tail_rows = tails.unbind(0)
         logit_rows = logits.unbind(0) if logits is not None else ()
-        q_rows = q.unbind(0) if q is not None else ()
         for b, f in enumerate(feeds):
-            req, j = f.request, by_feed.get(b)
-            sampled_q = q_rows[j] if q is not None and j is not None and not req.params.greedy else None
-            req.draft_state = HeadState(
+            j = by_feed.get(b)
+            f.request.draft_state = HeadState(
                 position=f.start + len(f.tokens) - 1,
                 tails=tail_rows[b],
                 token=tokens[j] if j is not None and seeds is None else None,
-                q=sampled_q,
                 logits=logit_rows[j] if j is not None else None,
                 seeds=seeds if j is not None else None,
                 seed_row=j or 0,
             )
-            req.draft_computed = f.start + len(f.tokens)
+            f.request.draft_computed = f.start + len(f.tokens)
 
     # ---- drafting --------------------------------------------------------------------------
 
@@ -307,35 +304,25 @@ class HeadDrafter(Drafter):
             self.graphs.take_pending()  # a round nobody verified (e.g. the cost profile's)
         self._catch_up(reqs)
         chains = [(r, k) for r, k in zip(reqs, budgets, strict=True) if k > 0 and has_seed(r)]
-        # Greedy chains in the graphs (their seeds may still be on the device); sampling ones eagerly
-        # beside them: every row's draft depends on its own inputs only, and the sampling filters
-        # `choose_drafts` picks depend on the sampling rows alone, so the split changes nothing.
-        greedy = [(r, k) for r, k in chains if r.params.greedy]
-        if self._graph_fits(greedy):
-            self._draft_graphed(greedy)
-            chains = [(r, k) for r, k in chains if not r.params.greedy]
+        if self._graph_fits(chains):  # their seeds may still be on the device
+            self._draft_graphed(chains)
+            return
         for req, _ in chains:
-            state: HeadState = req.draft_state
-            req.draft = [state.first_draft()]
-            req.draft_probs = [state.q] if state.q is not None else None
+            req.draft, req.draft_probs = [req.draft_state.first_draft()], None
         # request -> the previous step's outputs, one per row it ran (step 0: module 0 at the seed)
         outputs = {id(r): r.draft_state.tails[:1] for r, _ in chains}
         step = 1
         while chains := [(r, k) for r, k in chains if k > step]:
             self._draft_step([r for r, _ in chains], step, outputs)
             step += 1
-        for req, _ in zip(reqs, budgets, strict=True):
-            if isinstance(req.draft_probs, list):
-                req.draft_probs = torch.stack(req.draft_probs)
 
     def _graph_fits(self, chains: list[tuple[Request, int]]) -> bool:
-        """The chain graphs can draft these chains (greedy ones only)."""
+        """The chain graphs can draft these chains."""
         graphs = self.graphs
         return (
             graphs is not None
             and bool(chains)
             and graphs.fits_chain(len(chains), max(k for _, k in chains) - 1)
-            and all(r.params.greedy for r, _ in chains)
         )
 
     def take_pending_drafts(self) -> torch.Tensor | None:
@@ -376,13 +363,11 @@ class HeadDrafter(Drafter):
         hidden = torch.cat(hidden_rows)
         out, to_logits = self.head.run(module, inp.input_ids, hidden, inp.positions, ctx, from_target=False)
         logits = self.head.logits(module, to_logits.index_select(0, inp.last_rows))
-        tokens, q = self._choose(logits, reqs, [r.num_output + step for r in reqs])
+        tokens = greedy_drafts(logits, self.head.to_target_ids)
         starts = np.cumsum([0, *[len(t) for _, _, t in feeds]])
         for i, req in enumerate(reqs):
             outputs[id(req)] = out[starts[i] : starts[i + 1]]
             req.draft.append(tokens[i])
-            if req.draft_probs is not None:
-                req.draft_probs.append(q[i])
 
     # ---- tree drafting ---------------------------------------------------------------------
 
@@ -398,7 +383,7 @@ class HeadDrafter(Drafter):
             num_nodes,
             self.vocab,
             self.head.to_target_ids,
-            self.head.to_target_probs,
+            deterministic=True,
         )
         states: list[HeadState] = [r.draft_state for r, _ in active]
         search.expand(search.roots(), torch.stack([s.logits for s in states]))
@@ -450,11 +435,6 @@ class HeadDrafter(Drafter):
         out, to_logits = self.head.run(module, inp.input_ids, hidden, inp.positions, ctx, from_target=False)
         bank[module].index_copy_(0, index[2], out.to(bank.dtype))
         return self.head.logits(module, to_logits.index_select(0, inp.last_rows))
-
-    def _choose(self, logits: torch.Tensor, reqs: list[Request], counters: list[int]):
-        return choose_drafts(
-            logits, reqs, counters, self.vocab, self.head.to_target_ids, self.head.to_target_probs
-        )
 
 
 def has_seed(req: Request) -> bool:

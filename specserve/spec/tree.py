@@ -125,6 +125,7 @@ class TreeSearch:
         vocab: int,
         to_target_ids: Callable[[torch.Tensor], torch.Tensor] = lambda ids: ids,
         to_target_probs: Callable[[torch.Tensor, int], torch.Tensor] = lambda probs, vocab: probs,
+        deterministic: bool = False,
     ) -> None:
         self.reqs = list(reqs)
         self.depths = np.asarray(depths, dtype=np.int64).reshape(len(self.reqs))
@@ -145,7 +146,8 @@ class TreeSearch:
         self.q_row = np.full(shape, -1, dtype=np.int64)
         self.root_q_row = np.full(len(self.reqs), -1, dtype=np.int64)
         # Per-request constants of the round, read once.
-        self.greedy = np.array([r.params.greedy for r in self.reqs], dtype=bool)
+        # `deterministic`: every request takes the top k (a head's trees), sampling ones too.
+        self.greedy = np.array([deterministic or r.params.greedy for r in self.reqs], dtype=bool)
         self.fixed = np.array([r.sampling_fixed for r in self.reqs], dtype=np.float64).reshape(-1, 4)
         self.seed = np.array([r.seed for r in self.reqs], dtype=np.int64)
         self.num_output = np.array([r.num_output for r in self.reqs], dtype=np.int64)

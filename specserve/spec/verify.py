@@ -60,20 +60,16 @@ def verify_chains(
     draft, mask, starts, num_drafts = to_device(host, device).unbind(0)  # one copy
     starts, num_drafts = starts[: len(counts)], num_drafts[: len(counts)]
     probs = filtered_probs(logits, batch, banned)
-    one_hot = torch.zeros_like(probs).scatter_(1, draft[:, None], mask[:, None].to(probs.dtype))
-    if draft_probs is None:
-        q, kernel_q = one_hot, None
+    if draft_probs is None:  # every q one-hot: the race drops the draft itself
+        kernel_q = None
+        replacement = sample_from_probs(probs, batch, drop=torch.where(mask.bool(), draft, -1))
     else:
+        one_hot = torch.zeros_like(probs).scatter_(1, draft[:, None], mask[:, None].to(probs.dtype))
         draft_probs = draft_probs.to(probs.dtype)
         deterministic = draft_probs.gather(1, draft[:, None]) == 0
-        q = kernel_q = torch.where(deterministic, one_hot, draft_probs)
-    u = batch.noise(1, ACCEPT_SALT)[:, 0]
-    # The residual is taken from the *filtered* p (filtering after removing q would let tokens outside
-    # top-k/top-p in); bonus rows have q = 0, so they draw from p itself.
-    residual = (probs - q * mask[:, None]).clamp_min(0.0)
-    # Rounding can leave a rejected row with no residual mass; p itself is the safe draw then.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
-    replacement = sample_from_probs(residual, batch)
+        kernel_q = torch.where(deterministic, one_hot, draft_probs)
+        replacement = residual_draws(probs, kernel_q * mask[:, None], batch)
+    u = accept_uniforms(batch)
     chain = verify_chain if use_triton(device) else verify_chain_ref
     tokens, accepted = chain(
         probs,
@@ -88,6 +84,37 @@ def verify_chains(
     )
     tokens, accepted = tokens.tolist(), accepted.tolist()
     return [row[: a + 1] for row, a in zip(tokens, accepted, strict=True)]
+
+
+def one_hot_chain_rows(
+    logits: torch.Tensor, batch: SamplingBatch, drafts: torch.Tensor, has_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_chains` row by row for deterministic drafts, on the device (the device loop's sampled
+    verify: no host sync, capturable). Rows [R, V] of logits, drafts [R] int64, has_draft [R] bool
+    (a draft proposed at this row; a bonus row has none). Returns per row the token the chain emits
+    if it gets that far (the draft where its accept test passes, else the residual's draw) and
+    whether the test passed: the same draws `verify_chains` makes for the same rows and counters."""
+    probs = filtered_probs(logits, batch)
+    replacement = sample_from_probs(probs, batch, drop=torch.where(has_draft, drafts, -1))
+    # verify_chain's test with q(d) = 1: u < p(d), in float64.
+    ok = has_draft & (accept_uniforms(batch) < probs.gather(1, drafts[:, None])[:, 0].double())
+    return torch.where(ok, drafts, replacement), ok
+
+
+def accept_uniforms(batch: SamplingBatch) -> torch.Tensor:
+    """[R] float64: each row's uniform for the accept test (its own noise stream)."""
+    return batch.noise(1, ACCEPT_SALT)[:, 0]
+
+
+def residual_draws(probs: torch.Tensor, q: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[R] a draw per row from norm(max(p - q, 0)): a rejected row's replacement (bonus rows have
+    q = 0, so they draw from p itself)."""
+    # The residual is taken from the *filtered* p (filtering after removing q would let tokens outside
+    # top-k/top-p in).
+    residual = (probs - q).clamp_min(0.0)
+    # Rounding can leave a rejected row with no residual mass; p itself is the safe draw then.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs)
+    return sample_from_probs(residual, batch)
 
 
 def verify_greedy_chains(
