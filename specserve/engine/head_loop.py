@@ -10,12 +10,12 @@ iteration per request, all captured in one graph per batch bucket:
   accept (greedy, or for sampling requests the host path's test of deterministic drafts) and
   append (`loop_accept`), as in `DeviceLoop`;
 - the extend at a fixed shape: the head's module over every verify row, row i pairing the token that
-  follows its position (the verify's token there: the draft it accepted, else its draw) with the target's feature at it, its KV at the
-  verify's own slots. Rows past the accepted ones write head KV at positions the next extend
-  rewrites before anything reads them (the chain writes each position before it attends to it),
-  so the head's KV ends up as the synchronous extend over the accepted tokens leaves it. The last
-  accepted row's output and greedy draft become the next seed and tail (kept where a row took
-  nothing: a finished or pad row).
+  follows its position (the verify's token there: the draft it accepted, else its draw) with the
+  target's feature at it, its KV at the verify's own slots. Rows past the accepted ones write head
+  KV at positions the next extend rewrites before anything reads them (the chain writes each
+  position before it attends to it), so the head's KV ends up as the synchronous extend over the
+  accepted tokens leaves it. The last accepted row's output and greedy draft become the next seed
+  and tail (kept where a row took nothing: a finished or pad row).
 
 The bookkeeping around the head's forwards is one launch each (`kernels/head_glue.py`): a chain
 step's input, and the extend's settle; the split argmax stores the drafts straight into the verify's
