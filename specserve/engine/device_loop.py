@@ -113,16 +113,17 @@ class SamplingRows:
         self.ints = torch.zeros(3, batch, dtype=torch.int64, device=device)  # top_k, seed, prompt length
 
     def write(self, reqs: list[Request], batch: int) -> None:
-        """Rows of `reqs`, pad rows greedy; one copy each."""
-        fixed = np.zeros((3, batch), dtype=np.float32)
-        ints = np.zeros((3, batch), dtype=np.int64)
+        """Rows of `reqs`, pad rows greedy; one copy (the ints, then the floats, in one buffer)."""
+        buffer = np.zeros(36 * batch, dtype=np.uint8)
+        ints = buffer[: 24 * batch].view(np.int64).reshape(3, batch)
+        fixed = buffer[24 * batch :].view(np.float32).reshape(3, batch)
         n = len(reqs)
         fixed[:, :n], ints[0, :n] = sampling_columns([r.sampling_fixed for r in reqs])
         ints[1, :n] = [r.seed for r in reqs]
         ints[2, :n] = [r.prompt_len for r in reqs]
-        device = self.fixed.device
-        self.fixed[:, :batch].copy_(to_device(torch.from_numpy(fixed), device))
-        self.ints[:, :batch].copy_(to_device(torch.from_numpy(ints), device))
+        packed = to_device(torch.from_numpy(buffer), self.fixed.device)
+        self.ints[:, :batch].copy_(packed[: 24 * batch].view(torch.int64).view(3, batch))
+        self.fixed[:, :batch].copy_(packed[24 * batch :].view(torch.float32).view(3, batch))
 
     def verify(
         self,
@@ -321,7 +322,8 @@ class DeviceLoop:
             self.state.flags = self.flags_of(reqs)
             self._capture_sampled(batch)  # before the rows are set up: it runs over inactive ones
             self._setup(reqs, limits, stop_ids, batch)
-            self.state.sampling.write(reqs, batch)
+            if not self.flags.all_greedy:  # greedy runs never read them
+                self.state.sampling.write(reqs, batch)
         self.state.owner = self
         out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
         graph = self._graph(batch)

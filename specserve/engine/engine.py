@@ -644,7 +644,7 @@ class Engine:
             return None
         if flight is not None and not (loop.follows(flight.loop, len(flight.reqs)) and carries(flight, reqs)):
             return None
-        if flight is not None and loop.flags_of(reqs) != flight.flags:
+        if flight is not None and reqs != flight.reqs and loop.flags_of(reqs) != flight.flags:
             return None  # the host would draw the rest with other filters: a fresh run, with them
         if flight is None and not all(loop.ready(r) for r in reqs):  # resumed: the device has its state
             return None
