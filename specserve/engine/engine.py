@@ -787,7 +787,7 @@ class Engine:
             if pending is not None:
                 _resolve_items(items, inp.sample_items, drafts)
             return dict(zip(inp.sample_items, chains, strict=True)), {}
-        if pending is not None:  # sampling rows beside graphed greedy chains: read the drafts first
+        if pending is not None:  # sampling rows' chains graphed (a head's): read the drafts first
             drafts = resolve_drafts(drafts, pending.tolist())
             _resolve_items(items, inp.sample_items, drafts)
         counters, owners = self._chain_counters(items, inp)
@@ -865,7 +865,7 @@ class Engine:
     @staticmethod
     def _draft_probs(items: list[ScheduledItem], inp: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
         """[rows, V] distributions sampled drafts were drawn from; zero rows for deterministic drafts
-        (n-gram, greedy requests) and bonus rows. None when every draft is deterministic."""
+        (n-gram, a head's, greedy requests') and bonus rows. None when every draft is deterministic."""
         if not any(items[i].request.draft_probs is not None for i in inp.sample_items):
             return None
         blocks = []
