@@ -59,12 +59,12 @@ from specserve.model.parallel import NO_TP, TPInfo, head_shard
 from specserve.spec.adaptive import configured_tiers
 from specserve.spec.draft_depths import VerifyShapes
 from specserve.spec.draft_graphs import draft_graphs_enabled
-from specserve.spec.drafter import Drafter, TargetFeed, resolve_drafts
+from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.standalone import StandaloneDrafter
 from specserve.spec.tree_verify import verify_trees
-from specserve.spec.verify import verify_chains, verify_greedy_chains
+from specserve.spec.verify import verify_greedy_chains, verify_pending_chains
 from specserve.types import RequestOutput, SamplingParams
 from specserve_kernels import check_indices
 from specserve_kernels.kv_move import check_moves
@@ -787,18 +787,18 @@ class Engine:
             if pending is not None:
                 _resolve_items(items, inp.sample_items, drafts)
             return dict(zip(inp.sample_items, chains, strict=True)), {}
-        if pending is not None:  # sampling rows' chains graphed (a head's): read the drafts first
-            drafts = resolve_drafts(drafts, pending.tolist())
-            _resolve_items(items, inp.sample_items, drafts)
         counters, owners = self._chain_counters(items, inp)
         rows = [req.sampling_row(counter) for req, counter in zip(owners, counters, strict=True)]
-        chains = verify_chains(
+        chains, drafts = verify_pending_chains(
             rows_logits,
             rows,
             drafts,
             self._banned(counters, owners),
             self._draft_probs(items, inp, logits),
+            pending,  # a head's graphed chains: resolved with the results, one host sync
         )
+        if pending is not None:
+            _resolve_items(items, inp.sample_items, drafts)
         return dict(zip(inp.sample_items, chains, strict=True)), {}
 
     @staticmethod

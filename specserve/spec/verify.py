@@ -44,13 +44,27 @@ def verify_chains(
     Chain b owns `len(drafts[b]) + 1` consecutive rows of `logits` [R, V] (and of `rows`, `banned`,
     `draft_probs`): one per draft token, then the bonus row. `draft_probs` [R, V] holds the
     distribution each sampled draft was drawn from; a draft row whose q is zero at its token (or no
-    `draft_probs` at all) is deterministic (n-gram lookup, a greedy request's draft): q = one-hot.
-    One host copy at the end."""
+    `draft_probs` at all) is deterministic (n-gram lookup, a head's or a greedy request's draft):
+    q = one-hot. One host copy at the end."""
+    return verify_pending_chains(logits, rows, drafts, banned, draft_probs)[0]
+
+
+def verify_pending_chains(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    drafts: Sequence[Sequence[int]],
+    banned: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    pending: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """`verify_chains` whose drafts may hold placeholders for `pending`, the device drafts they name
+    (`resolve_drafts`: a head's graphed chains), resolved on the device and read back in the same
+    host copy as the results. Returns the emitted tokens and the drafts (placeholders resolved)."""
     if all(row.temperature <= 0 for row in rows):
-        return verify_greedy_chains(logits, drafts, banned)[0]
+        return verify_greedy_chains(logits, drafts, banned, pending)
     batch = SamplingBatch.build(rows, logits.device)
     if not any(drafts):
-        return [[t] for t in sample(logits, batch, banned).tolist()]
+        return [[t] for t in sample(logits, batch, banned).tolist()], [[] for _ in drafts]
     device = logits.device
     counts = [len(d) for d in drafts]
     flat = [t for chain in drafts for t in (*chain, 0)]
@@ -59,6 +73,8 @@ def verify_chains(
     host = torch.tensor([flat, has, [*_starts(counts), *pad], [*counts, *pad]], dtype=torch.long)
     draft, mask, starts, num_drafts = to_device(host, device).unbind(0)  # one copy
     starts, num_drafts = starts[: len(counts)], num_drafts[: len(counts)]
+    if pending is not None:  # placeholder -(1 + k) names pending[k]
+        draft = torch.where(draft >= 0, draft, pending[(-1 - draft).clamp_min(0)])
     probs = filtered_probs(logits, batch, banned)
     if draft_probs is None:  # every q one-hot: the race drops the draft itself
         kernel_q = None
@@ -82,8 +98,15 @@ def verify_chains(
         max_drafts=max(counts),
         check_bounds=check_indices(),
     )
-    tokens, accepted = tokens.tolist(), accepted.tolist()
-    return [row[: a + 1] for row, a in zip(tokens, accepted, strict=True)]
+    width = tokens.shape[1]
+    host = torch.cat([tokens.flatten(), accepted, draft]).tolist()  # the step's one host sync
+    chains = [
+        host[b * width : b * width + a + 1]
+        for b, a in enumerate(host[tokens.numel() : tokens.numel() + len(counts)])
+    ]
+    flat_drafts = host[tokens.numel() + len(counts) :]
+    resolved = [flat_drafts[s : s + n] for s, n in zip(_starts(counts), counts, strict=True)]
+    return chains, resolved
 
 
 def one_hot_chain_rows(
