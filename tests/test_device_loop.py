@@ -21,6 +21,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine import device_loop
 from specserve.engine.device_loop import DeviceLoop, LoopFlight, carries
 from specserve.engine.engine import Engine
+from specserve.engine.sampler import GREEDY, SamplingFlags
 
 from engine_utils import (
     check_loop_reservations,
@@ -262,6 +263,27 @@ def test_sampled_switches_of_chain_length(small_vocab_target, monkeypatch):
     assert all(o.token_ids != p.token_ids for o, p in zip(looped[1:], plain[1:], strict=True))
     assert switched_on_device(flights) >= 4
     assert all(not f.flags.all_greedy for f in flights if len(f.live()) == 3)
+
+
+def test_a_switch_waits_for_its_sampled_iteration(small_vocab_target):
+    """Where iterations are captured, a switch of tier is queued behind a sampled run only if the new
+    tier's iteration for the run's filters is captured already (a capture runs over inactive rows,
+    which a queued run's are not); else the engine starts a fresh run, which captures it."""
+    spec = {**LOOP, "adaptive": {"tiers": ["off", 2, 4], "profile": False}}
+    loops = _llm(small_vocab_target, spec).engine.device_loops
+    two, four = loops[2], loops[4]
+    two.graphs.captured = True  # as on CUDA: the engine's loops share its graphs
+    sampled = SamplingFlags(False, True, False, False)
+    two.state.flags = sampled
+    bucket = four.bucket(3)
+    four.loop_graphs[bucket] = object()
+    assert not four.follows(two, 3), "its greedy iteration is not the run's"
+    four.sampled_graphs[(bucket, sampled)] = object()
+    assert four.follows(two, 3)
+    two.state.flags = GREEDY
+    assert four.follows(two, 3)
+    del four.loop_graphs[bucket]
+    assert not four.follows(two, 3) and two.follows(two, 3)
 
 
 def test_a_run_whose_requests_filters_change_starts_afresh(small_vocab_target, flights):
