@@ -224,7 +224,8 @@ def test_sampled_verify_rows_equal_verify_chains(seed):
     limits = lengths + rooms
     rows = SamplingRows(batch, torch.device("cpu"))
     rows.write(reqs, batch)
-    flags = sampling_flags(*_flag_columns(fixed[:batch], sampling_columns))
+    floats, top_k = sampling_columns(fixed[:batch])
+    flags = sampling_flags(floats[0], top_k, floats[1], floats[2])
     target, matched = rows.verify(logits, lengths, limits, drafts, valid, flags)
     hist = torch.zeros(batch, 64, dtype=torch.int64)
     records = torch.zeros(batch, k + 3, dtype=torch.int64)
@@ -239,11 +240,6 @@ def test_sampled_verify_rows_equal_verify_chains(seed):
             host_logits.append(logits[b * (k + 1) + j])
     emitted = verify_chains(torch.stack(host_logits), host_rows, host_drafts)
     assert taken == emitted
-
-
-def _flag_columns(fixed, columns):
-    floats, top_k = columns(fixed)
-    return floats[0], top_k, floats[1], floats[2]
 
 
 def test_sampled_switches_of_chain_length(small_vocab_target, monkeypatch):
