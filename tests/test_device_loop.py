@@ -238,7 +238,7 @@ def test_sampled_verify_rows_equal_verify_chains(seed):
         for j in range(len(chain) + 1):
             host_rows.append(SamplingRow(*fixed[b], 100 + b, 2 * b + j))
             host_logits.append(logits[b * (k + 1) + j])
-    emitted = verify_chains(torch.stack(host_logits), host_rows, host_drafts)
+    emitted, _ = verify_chains(torch.stack(host_logits), host_rows, host_drafts)
     assert taken == emitted
 
 

@@ -195,7 +195,7 @@ def test_rejection_sampling_emits_the_target_distribution(row):
     expected = filtered_probs_ref(logits[0], row).numpy()
     draft = int(np.argsort(expected)[-2])
     rows = [_row(row, seed, j) for seed in range(draws) for j in range(2)]
-    chains = verify_chains(logits[[0, 1] * draws], rows, [[draft]] * draws)
+    chains, _ = verify_chains(logits[[0, 1] * draws], rows, [[draft]] * draws)
     assert_follows([c[0] for c in chains], expected)
 
 
@@ -214,8 +214,8 @@ def test_all_greedy_chains_take_the_shortcut_to_the_same_tokens():
     greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
     sampled = SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1, counter=0)
     rows = [greedy] * row
-    shortcut = verify_chains(logits[:row], rows, drafts)
-    ruled = verify_chains(logits, [*rows, sampled, sampled], [*drafts, [3]])
+    shortcut, _ = verify_chains(logits[:row], rows, drafts)
+    ruled, _ = verify_chains(logits, [*rows, sampled, sampled], [*drafts, [3]])
     assert shortcut == ruled[: len(drafts)]
     assert [len(c) for c in shortcut] != [n + 1 for n in lengths]  # some drafts were rejected
 
@@ -257,7 +257,7 @@ def test_rejection_sampling_over_two_positions(row):
         index += [0, 1 + a, 1 + b]  # the bonus row's logits do not matter here
         rows += [_row(row, seed, j) for j in range(3)]
         probs += [q0, q1[a], torch.zeros(vocab)]
-    chains = verify_chains(
+    chains, _ = verify_chains(
         logits[index], rows, list(zip(first, second, strict=True)), None, torch.stack(probs)
     )
     short = [s for s, c in enumerate(chains) if len(c) < 2]
@@ -268,7 +268,7 @@ def test_rejection_sampling_over_two_positions(row):
         index += [1 + chains[s][0], 0]
         rows += [_row(row, s, 1), _row(row, s, 2)]
         probs += [q1[chains[s][0]], torch.zeros(vocab)]
-    followers = verify_chains(logits[index], rows, [[d] for d in redraft], None, torch.stack(probs))
+    followers, _ = verify_chains(logits[index], rows, [[d] for d in redraft], None, torch.stack(probs))
     for s, follow in zip(short, followers, strict=True):
         chains[s] = chains[s] + follow[:1]
     pairs = [c[0] * vocab + c[1] for c in chains]

@@ -64,7 +64,7 @@ from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.standalone import StandaloneDrafter
 from specserve.spec.tree_verify import verify_trees
-from specserve.spec.verify import verify_greedy_chains, verify_pending_chains
+from specserve.spec.verify import verify_chains, verify_greedy_chains
 from specserve.types import RequestOutput, SamplingParams
 from specserve_kernels import check_indices
 from specserve_kernels.kv_move import check_moves
@@ -789,7 +789,7 @@ class Engine:
             return dict(zip(inp.sample_items, chains, strict=True)), {}
         counters, owners = self._chain_counters(items, inp)
         rows = [req.sampling_row(counter) for req, counter in zip(owners, counters, strict=True)]
-        chains, drafts = verify_pending_chains(
+        chains, drafts = verify_chains(
             rows_logits,
             rows,
             drafts,

@@ -38,28 +38,18 @@ def verify_chains(
     drafts: Sequence[Sequence[int]],
     banned: torch.Tensor | None = None,
     draft_probs: torch.Tensor | None = None,
-) -> list[list[int]]:
-    """The tokens each chain emits: its accepted prefix of drafts, then one corrected or bonus token.
+    pending: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The tokens each chain emits: its accepted prefix of drafts, then one corrected or bonus token;
+    and the drafts, placeholders resolved.
 
     Chain b owns `len(drafts[b]) + 1` consecutive rows of `logits` [R, V] (and of `rows`, `banned`,
     `draft_probs`): one per draft token, then the bonus row. `draft_probs` [R, V] holds the
     distribution each sampled draft was drawn from; a draft row whose q is zero at its token (or no
     `draft_probs` at all) is deterministic (n-gram lookup, a head's or a greedy request's draft):
-    q = one-hot. One host copy at the end."""
-    return verify_pending_chains(logits, rows, drafts, banned, draft_probs)[0]
-
-
-def verify_pending_chains(
-    logits: torch.Tensor,
-    rows: Sequence[SamplingRow],
-    drafts: Sequence[Sequence[int]],
-    banned: torch.Tensor | None = None,
-    draft_probs: torch.Tensor | None = None,
-    pending: torch.Tensor | None = None,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """`verify_chains` whose drafts may hold placeholders for `pending`, the device drafts they name
-    (`resolve_drafts`: a head's graphed chains), resolved on the device and read back in the same
-    host copy as the results. Returns the emitted tokens and the drafts (placeholders resolved)."""
+    q = one-hot. `pending`: the device drafts that placeholders in `drafts` name (`resolve_drafts`:
+    a head's graphed chains), resolved on the device and read back with the results. One host copy
+    at the end."""
     if all(row.temperature <= 0 for row in rows):
         return verify_greedy_chains(logits, drafts, banned, pending)
     batch = SamplingBatch.build(rows, logits.device)
