@@ -20,15 +20,15 @@ sync of its own (its drafts are read with verify's results).
   speculative step (`run_chain` reads them at once). A request with fewer
   steps than the batch's most turns, for its extra steps, into a pad row (positions from 0, KV to
   the dummy slot: its reserved pages end with its own budget; outputs ignored). Pad rows have an
-  all-zero page table, so they read and write the dummy page only. Greedy chains only: the
-  sampling chains of a batch draft eagerly beside them (their noise and q stay `choose_drafts`').
+  all-zero page table, so they read and write the dummy page only. Argmax chains: a head drafts
+  them for sampling requests too (verify takes its drafts as one-hot q).
 - **Extend** (`run_extend`), per (batch bucket, query len): `HeadDrafter.after_target`'s forward
   over every module for feeds of at most that many tokens (a joined backlog or a prefill is
   longer: eager), padded as a target step is (`build_draft_input(pad=...)`: pad tokens at position
   0 writing the dummy slot, pad requests with no tokens). Module i > 0 pairs each token with module
   i-1's output one position back through a host-computed shift index into [previous tails;
   outputs]. Out come every module's tail and module 0's logits at each feed's last row; the seed is
-  chosen from them (greedy: on the device, `greedy_tokens`).
+  chosen from them (the argmax, on the device: `greedy_tokens`).
 
 Graphs are captured largest first into one memory pool of their own (never the target's: its
 outputs are still read after the extend). The attention's key-split count is fixed at capture for
