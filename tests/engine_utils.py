@@ -75,6 +75,26 @@ def assert_same_outputs(ours, reference, tol: float = 1e-4) -> None:
         assert max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) <= tol
 
 
+OUTPUT_LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+def assert_same_logprobs(ours, reference, tol: float = 1e-4) -> None:
+    """The same tokens, and every output logprob field (the token's, top k, named ids) of each
+    output with the same entries: ids and texts equal, logprobs within `tol`."""
+    assert [o.token_ids for o in ours] == [r.token_ids for r in reference]
+    for o, r in zip(ours, reference, strict=True):
+        for name in OUTPUT_LOGPROB_FIELDS:
+            mine, theirs = o.meta.get(name), r.meta.get(name)
+            assert (mine is None) == (theirs is None), name
+            for a, b in zip(_entries(mine or []), _entries(theirs or []), strict=True):
+                assert a[1:] == b[1:] and abs(a[0] - b[0]) <= tol, (name, a, b)
+
+
+def _entries(field: list) -> list[list]:
+    """A logprob field's [logprob, id, text] entries, flat (top k and named ids: a list a position)."""
+    return [e for pos in field for e in (pos if pos and isinstance(pos[0], list) else [pos])]
+
+
 def assert_logprobs_equal(decoded: dict, scored: dict, tol: float = 1e-4) -> None:
     """Invariant 3: a decoded output's token, top-k and chosen-id logprobs (`meta` with `output_*`)
     equal a prefill-only scoring's of the same tokens (`meta` with `input_*`), within `tol`."""

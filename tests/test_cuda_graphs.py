@@ -142,7 +142,9 @@ def test_padding_touches_no_real_slot():
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_steps": 3}])
+# Steps from the host (no device loop, which takes these logprob requests too): steps through the
+# runner's buckets are what this test compares.
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_steps": 3, "device_steps": 0}])
 def test_graphed_steps_equal_eager(target, graphed_runs, page_size, speculative):
     prompts = _prompts(5)
     reference = _llm(target, False, page_size, speculative=speculative).generate(prompts, _params(5))
@@ -175,7 +177,7 @@ def test_hidden_state_drafter_reads_graphed_features(target, graphed_runs, tmp_p
     """EAGLE-3 fuses residual streams the graph captured: its drafts and outputs equal eager ones."""
     config, tensors = random_head("eagle3", target.arch, seed=5)
     folder = save_head(tmp_path / "eagle3", config, tensors)
-    spec = {"method": "eagle3", "draft_model": str(folder), "num_steps": 3}
+    spec = {"method": "eagle3", "draft_model": str(folder), "num_steps": 3, "device_steps": 0}  # host steps
     prompts = _prompts(3, seed=1)
     reference = _llm(target, False, speculative=spec).generate(prompts, _params(3))
     outs = _llm(target, True, speculative=spec).generate(prompts, _params(3))

@@ -21,9 +21,11 @@ from specserve.config import SpeculativeConfig
 from specserve.engine import device_loop
 from specserve.engine.device_loop import DeviceLoop, LoopFlight, carries
 from specserve.engine.engine import Engine
+from specserve.engine.loop_logprobs import LogprobShape
 from specserve.engine.sampler import GREEDY, SamplingFlags
 
 from engine_utils import (
+    assert_same_logprobs,
     check_loop_reservations,
     cycle_tiers,
     gpu_switches_equal_plain,
@@ -138,14 +140,64 @@ def test_stops_match_plain(small_vocab_target, launches, monkeypatch, page_size,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_requests_it_cannot_take_fall_back(small_vocab_target, launches, kind):
-    """A request asking for logprobs in the batch: the synchronous path runs."""
+    """A request asking for more top logprobs than the loop records in the batch: the synchronous
+    path runs."""
     prompts = _prompts(2, seed=5)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    other = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True)
+    other = SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, return_logprob=True, top_logprobs_num=33
+    )
     plain = _llm(small_vocab_target).generate(prompts, [greedy, other])
     looped = _looped(small_vocab_target, kind).generate(prompts, [greedy, other])
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     assert not launches
+
+
+LOGPROBS = [
+    SamplingParams(
+        max_new_tokens=25, temperature=0.0, ignore_eos=True, return_logprob=True, top_logprobs_num=3
+    ),
+    SamplingParams(max_new_tokens=22, temperature=0.0, ignore_eos=True),
+    SamplingParams(
+        max_new_tokens=27,
+        temperature=0.9,
+        seed=3,
+        ignore_eos=True,
+        return_logprob=True,
+        token_ids_logprob=(10, 11, 12),
+    ),
+    SamplingParams(
+        max_new_tokens=20,
+        temperature=1.0,
+        top_k=5,
+        seed=8,
+        ignore_eos=True,
+        return_logprob=True,
+        top_logprobs_num=5,
+        token_ids_logprob=(13,),
+    ),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("picks", [[0, 1], [2], [0, 1, 2, 3]], ids=["greedy", "sampled", "mixed"])
+def test_logprob_requests_run_in_the_loop(small_vocab_target, launches, kind, picks):
+    """Requests asking for logprobs (the token's, top k, named ids; greedy and sampled, beside one
+    that asks for none) run in the loop, each row recording them in the iteration: the synchronous
+    path's tokens and logprobs (the same arithmetic, `logprob_columns`, over logits the CPU's
+    differently padded forwards round apart by an ulp or so)."""
+    prompts = _prompts(len(picks), seed=41)
+    params = [LOGPROBS[i] for i in picks]
+    sync = _llm(small_vocab_target, None if kind == "plain" else {**LOOP, "device_steps": 0})
+    expected = sync.generate(prompts, params)
+    looped = _looped(small_vocab_target, kind).generate(prompts, params)
+    assert launches and max(launches) == 4
+    assert_same_logprobs(looped, expected, tol=1e-5)
+    for o, p in zip(looped, params, strict=True):
+        if p.return_logprob:
+            assert len(o.meta["output_token_logprobs"]) == p.max_new_tokens
+        if p.top_logprobs_num:
+            assert all(len(top) == p.top_logprobs_num for top in o.meta["output_top_logprobs"])
 
 
 SAMPLED = [
@@ -274,9 +326,13 @@ def test_a_switch_waits_for_its_sampled_iteration(small_vocab_target):
     bucket = four.bucket(3)
     four.loop_graphs[bucket] = object()
     assert not four.follows(two, 3), "its greedy iteration is not the run's"
-    four.sampled_graphs[(bucket, sampled)] = object()
+    four.run_graphs[(bucket, sampled, None)] = object()
     assert four.follows(two, 3)
-    two.state.flags = GREEDY
+    two.state.logprobs = LogprobShape(4, 0)
+    assert not four.follows(two, 3), "nor is its iteration without logprobs"
+    four.run_graphs[(bucket, sampled, LogprobShape(4, 0))] = object()
+    assert four.follows(two, 3)
+    two.state.flags, two.state.logprobs = GREEDY, None
     assert four.follows(two, 3)
     del four.loop_graphs[bucket]
     assert not four.follows(two, 3) and two.follows(two, 3)
@@ -573,7 +629,31 @@ def test_gpu_captured_sampling_loop_equals_the_host_path(smollm2_gguf, mtbench_q
     got_two = looped.generate(prompts[:2], params[:2])
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.token_ids for o in got_two] == [o.token_ids for o in want_two]
-    assert launches and looped.engine.device_loop.sampled_graphs, "captured as runs needed them"
+    assert launches and looped.engine.device_loop.run_graphs, "captured as runs needed them"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_logprob_loops_equal_the_host_path(smollm2_gguf, mtbench_questions, launches):
+    """On a GPU, in fp32: requests asking for logprobs (greedy and sampled, top k and named ids,
+    beside one asking none) in plain decoding's captured loop and an n-gram chain's, their
+    iterations captured per (bucket, filters, logprob shape): the host path's tokens, and its
+    logprobs within fp32 rounding."""
+    common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 15, cuda_graph_max_batch=8)
+    params = [dataclasses.replace(p, max_new_tokens=96) for p in LOGPROBS]
+    prompts = mtbench_questions[:4]
+    for loop, host in (
+        ({}, {"decode_steps": 0}),
+        ({"speculative": {**LOOP, "device_steps": 8}}, {"speculative": {**LOOP, "device_steps": 0}}),
+    ):
+        reference = LLM(str(smollm2_gguf), **host, **common)
+        want = reference.generate(prompts, params)
+        del reference
+        looped = LLM(str(smollm2_gguf), **loop, **common)
+        launches.clear()
+        assert_same_logprobs(looped.generate(prompts, params), want)
+        assert launches and any(key[2] is not None for key in looped.engine.device_loop.run_graphs)
+        del looped
 
 
 @pytest.mark.gpu
@@ -596,7 +676,7 @@ def test_gpu_captured_sampled_chains_equal_the_synchronous_path(smollm2_gguf, mt
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.token_ids for o in got_two] == [o.token_ids for o in want_two]
     assert [o.meta["spec_accept_histogram"] for o in got] == [o.meta["spec_accept_histogram"] for o in want]
-    assert launches and looped.engine.device_loop.sampled_graphs, "captured as runs needed them"
+    assert launches and looped.engine.device_loop.run_graphs, "captured as runs needed them"
 
 
 @pytest.mark.gpu

@@ -59,7 +59,9 @@ def _params(count: int, temperature: float = 0.0) -> list[SamplingParams]:
 
 
 def _llm(target, method, folder, graphs: bool = True, num_steps: int | None = 5, device: str = "cpu", **kw):
-    spec = {"method": method, "draft_model": str(folder), "num_steps": num_steps}
+    # Steps from the host (no device loop, which takes logprob requests too): the drafter's calls
+    # are what this file compares.
+    spec = {"method": method, "draft_model": str(folder), "num_steps": num_steps, "device_steps": 0}
     spec.update(kw.pop("speculative_extra", {}))
     return LLM(
         target,

@@ -26,6 +26,7 @@ from specserve.train.data import GenerationSettings, generate_responses
 from specserve.train.trainer import TrainConfig, train_head
 
 from engine_utils import (
+    assert_same_logprobs,
     check_loop_reservations,
     cycle_tiers,
     gpu_switches_equal_plain,
@@ -183,12 +184,14 @@ def test_loop_equals_plain_and_the_reference(small_vocab_target, heads, launches
 
 
 def test_hand_back_to_the_synchronous_path(small_vocab_target, heads, launches):
-    """Greedy requests run in the loop until a request asking for logprobs arrives; the synchronous
-    path then drafts for them from the state the loop handed back, and later the loop takes them
-    again."""
+    """Greedy requests run in the loop until a request asking for more top logprobs than the loop
+    records arrives; the synchronous path then drafts for them from the state the loop handed back,
+    and later the loop takes them again."""
     prompts = _prompts(128, seed=0)[5:8]
     greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-    sampling = SamplingParams(max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True, return_logprob=True)
+    sampling = SamplingParams(
+        max_new_tokens=6, temperature=0.9, seed=2, ignore_eos=True, return_logprob=True, top_logprobs_num=33
+    )
     reference = _llm(small_vocab_target).generate(prompts[:2], greedy)
     llm = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"])
     engine = llm.engine
@@ -242,6 +245,32 @@ def test_sampled_chains_equal_the_synchronous_path(small_vocab_target, heads, la
     assert sum(o.meta["spec_accepted_tokens"] for o in looped[:3]) >= 5, "sampled drafts accepted"
     assert len({tuple(o.token_ids) for o in looped}) == len(prompts)
     assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, records, every=3) >= 5
+
+
+def _with_logprobs(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The same requests, each but the last asking for logprobs: top k of 0..2, named ids on some."""
+    return [
+        dataclasses.replace(
+            p, return_logprob=True, top_logprobs_num=i, token_ids_logprob=(5, 9) if i % 2 else None
+        )
+        for i, p in enumerate(params[:-1])
+    ] + params[-1:]
+
+
+def test_logprob_requests_run_in_the_head_loop(small_vocab_target, heads, launches):
+    """Sampling and greedy requests asking for logprobs run in the head's loop: the synchronous
+    path's tokens, accepts and logprobs."""
+    prompts = _prompts(128, seed=0)[3::32]
+    params = _with_logprobs(SAMPLED)
+    sync = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"], device_steps=0).generate(
+        prompts, params
+    )
+    looped = _llm(small_vocab_target, "eagle3", heads["trained-eagle3"]).generate(prompts, params)
+    assert_same_logprobs(looped, sync, tol=1e-5)
+    for o, s in zip(looped, sync, strict=True):
+        assert o.meta["spec_accept_histogram"] == s.meta["spec_accept_histogram"]
+    assert max(launches) > 0 and min(launches) < 0
+    assert sum(o.meta["spec_accepted_tokens"] for o in looped[:3]) >= 5, "drafts accepted"
 
 
 def test_adaptive_tiers(small_vocab_target, heads, launches):
@@ -372,8 +401,18 @@ def test_gpu_captured_sampled_head_loop_equals_the_synchronous_path(
     got = looped.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.meta["spec_accept_histogram"] for o in got] == [o.meta["spec_accept_histogram"] for o in want]
-    assert min(launches) < 0 and looped.engine.device_loop.sampled_graphs
+    assert min(launches) < 0 and looped.engine.device_loop.run_graphs
     assert sum(o.meta["spec_accepted_tokens"] for o in got[:3]) > 20, "sampled drafts accepted"
+    # The same requests asking for logprobs: the host path's tokens, and its logprobs within fp32 rounding.
+    params = _with_logprobs(params)
+    del looped
+    sync = LLM(str(smollm2_gguf), speculative={**spec, "device_steps": 0}, **common)
+    want = sync.generate(prompts, params)
+    del sync
+    looped = LLM(str(smollm2_gguf), speculative={**spec, "device_steps": 8}, **common)
+    launches.clear()
+    assert_same_logprobs(looped.generate(prompts, params), want)
+    assert min(launches) < 0 and any(key[2] is not None for key in looped.engine.device_loop.run_graphs)
 
 
 @pytest.mark.gpu

@@ -52,7 +52,14 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.host_copy import to_device
-from specserve.engine.request import Request
+from specserve.engine.loop_logprobs import (
+    LogprobShape,
+    LoopLogprobs,
+    logprob_shape,
+    loop_records,
+    loop_takes_logprobs,
+)
+from specserve.engine.request import LogprobRecord, Request
 from specserve.engine.sampler import (
     GREEDY,
     SamplingFlags,
@@ -84,23 +91,31 @@ CARRY_SHARE = int(os.environ.get("SPECSERVE_LOOP_CARRY", "4"))
 @dataclass(frozen=True)
 class LoopOutput:
     """Per iteration and request (host arrays): the tokens its verify produced (argmax of each
-    row), how many of them the request takes, and the real drafts it verified (0 once inactive)."""
+    row), how many of them the request takes, the real drafts it verified (0 once inactive), and
+    where the run records logprobs, each row's (`loop_logprobs.py`)."""
 
     tokens: np.ndarray  # [N, B, k + 1]
     counts: np.ndarray  # [N, B]
     drafted: np.ndarray  # [N, B]
+    logprobs: np.ndarray | None = None  # [N, B, k + 1, shape.width]
+    shape: LogprobShape | None = None
 
     def emitted(self, step: int, index: int) -> list[int]:
         return self.tokens[step, index, : self.counts[step, index]].tolist()
+
+    def logprob_records(self, step: int, index: int, tokens: list[int], req: Request) -> list[LogprobRecord]:
+        """The records of the tokens a request took at `step` (it asked for logprobs)."""
+        return loop_records(self.logprobs[step, index], tokens, req.params, self.shape)
 
 
 @dataclass(frozen=True)
 class LoopRecords:
     """A launch's records copying to the host: `host` is valid once `done` has passed (None: on
-    the CPU, at once)."""
+    the CPU, at once); `shape`: the logprobs its rows record past the tokens, if any."""
 
     host: torch.Tensor
     done: torch.cuda.Event | None
+    shape: LogprobShape | None = None
 
 
 class SamplingRows:
@@ -165,8 +180,9 @@ class SamplingRows:
 
 class LoopState:
     """What a request is on the device between runs, whatever the chain length: its token history,
-    length, limit, stop ids and sampling settings, one row per request, as wide as the largest batch
-    bucket, and the sampling filters of the run's rows (`flags`). The loops of one engine share it;
+    length, limit, stop ids, sampling settings and named logprob ids, one row per request, as wide
+    as the largest batch bucket, and the sampling filters of the run's rows (`flags`) and the
+    logprobs they record (`logprobs`; its rows' records too). The loops of one engine share it;
     `max_steps` is the longest chain among them (limits leave room for its verify), `owner` the
     loop whose run was queued last (a run of another loop queued behind it first writes its own
     bucket's constants, `DeviceLoop._switch_in`)."""
@@ -180,6 +196,8 @@ class LoopState:
         self.stops = torch.full((batch, MAX_STOPS), -1, dtype=torch.int64, device=device)
         self.sampling = SamplingRows(batch, device)
         self.flags = GREEDY
+        self.logprob_rows = LoopLogprobs(batch, max_steps + 1, device)
+        self.logprobs: LogprobShape | None = None
         self.owner: DeviceLoop | None = None
 
 
@@ -189,8 +207,9 @@ class DeviceLoop:
     the largest bucket (`state`: shared with the engine's other loops; else its own); on CUDA one
     iteration, glue and forward, is captured per batch bucket (at construction, over inactive rows,
     so the capture run changes nothing). Sampling requests run too, verified (and with no drafts,
-    drawn) as the host path does it: their iteration is captured per (batch bucket, the run's
-    `SamplingFlags`) when a run first needs it."""
+    drawn) as the host path does it; requests asking for logprobs too, each row recording them:
+    such an iteration is captured per (batch bucket, the run's `SamplingFlags`, its `LogprobShape`)
+    when a run first needs it."""
 
     def __init__(
         self,
@@ -232,7 +251,7 @@ class DeviceLoop:
         self.accept = loop_accept if kernels else loop_accept_ref
         self.argmax = row_argmax if kernels else row_argmax_ref
         self.loop_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sampled_graphs: dict[tuple[int, SamplingFlags], torch.cuda.CUDAGraph] = {}
+        self.run_graphs: dict[tuple[int, SamplingFlags, LogprobShape | None], torch.cuda.CUDAGraph] = {}
         self._pinned: list[torch.Tensor | None] = [None] * 3
         self._next_pinned = 0
         if graphs.captured and self.batch_sizes:
@@ -250,6 +269,11 @@ class DeviceLoop:
     def flags(self) -> SamplingFlags:
         """The sampling filters of the run queued last (its rows'), whichever loop queued it."""
         return self.state.flags
+
+    @property
+    def plain_run(self) -> bool:
+        """The run queued last is greedy and records no logprobs: the iteration captured at start."""
+        return self.state.flags.all_greedy and self.state.logprobs is None
 
     def flags_of(self, reqs: list[Request]) -> SamplingFlags:
         """The filters the host path's `SamplingBatch` of these requests would use: a run keeps
@@ -319,21 +343,27 @@ class DeviceLoop:
             if self.state.owner is not self:
                 self._switch_in(batch)
         else:
-            self.state.flags = self.flags_of(reqs)
-            self._capture_sampled(batch)  # before the rows are set up: it runs over inactive ones
+            self.state.flags, self.state.logprobs = self.flags_of(reqs), logprob_shape(reqs)
+            self._capture_variant(batch)  # before the rows are set up: it runs over inactive ones
             self._setup(reqs, limits, stop_ids, batch)
             if not self.flags.all_greedy:  # greedy runs never read them
                 self.state.sampling.write(reqs, batch)
+            if self.state.logprobs is not None:
+                self.state.logprob_rows.write_ids(reqs, batch)
         self.state.owner = self
-        out = torch.empty(iterations, batch, self.query_len + 2, dtype=torch.int64, device=self.hist.device)
+        shape, k = self.state.logprobs, self.query_len
+        width = k + 2 + (0 if shape is None else k * shape.width)
+        out = torch.empty(iterations, batch, width, dtype=torch.int64, device=self.hist.device)
         graph = self._graph(batch)
         for step in range(iterations):
             if graph is not None:
                 graph.replay()
             else:
                 self._iteration(batch)
-            out[step].copy_(self.records[:batch])
-        return self._to_host(out[:, :n])
+            out[step, :, : k + 2].copy_(self.records[:batch])
+            if shape is not None:
+                out[step, :, k + 2 :].copy_(self.state.logprob_rows.records[:batch, : k * shape.width])
+        return self._to_host(out[:, :n], shape)
 
     def collect(self, records: LoopRecords) -> LoopOutput:
         """A launch's records on the host (the one wait for the device, for that launch's steps
@@ -341,14 +371,15 @@ class DeviceLoop:
         if records.done is not None:
             records.done.synchronize()
         host = records.host.numpy()
-        k = self.query_len
-        return LoopOutput(host[:, :, :k], host[:, :, k], host[:, :, k + 1])
+        k, shape = self.query_len, records.shape
+        logprobs = None if shape is None else host[:, :, k + 2 :].reshape(*host.shape[:2], k, shape.width)
+        return LoopOutput(host[:, :, :k], host[:, :, k], host[:, :, k + 1], logprobs, shape)
 
-    def _to_host(self, out: torch.Tensor) -> LoopRecords:
+    def _to_host(self, out: torch.Tensor, shape: LogprobShape | None) -> LoopRecords:
         """An asynchronous copy into the next of a few page-locked buffers (a run in flight and one
         being collected hold two; pinning per copy would cost the host ~0.1 ms a launch)."""
         if out.device.type != "cuda":
-            return LoopRecords(out.clone(), None)
+            return LoopRecords(out.clone(), None, shape)
         slot = self._next_pinned
         self._next_pinned = (slot + 1) % len(self._pinned)
         buffer = self._pinned[slot]
@@ -358,7 +389,7 @@ class DeviceLoop:
         host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return LoopRecords(host, done)
+        return LoopRecords(host, done, shape)
 
     def reset_rows(self, batch: int) -> None:
         """Every row of `batch` inactive (length 1, limit 0): a step over them appends nothing and
@@ -371,18 +402,18 @@ class DeviceLoop:
         self._iteration(batch)
 
     def _graph(self, batch: int) -> torch.cuda.CUDAGraph | None:
-        if self.flags.all_greedy:
+        if self.plain_run:
             return self.loop_graphs.get(batch)
-        return self.sampled_graphs.get((batch, self.flags))
+        return self.run_graphs.get((batch, self.flags, self.state.logprobs))
 
-    def _capture_sampled(self, batch: int) -> None:
-        """The iteration of this run's sampling filters at `batch`, captured the first time a run
-        needs it (over inactive rows: no run of this state is in flight)."""
-        key = (batch, self.flags)
-        if self.flags.all_greedy or not self.graphs.captured or key in self.sampled_graphs:
+    def _capture_variant(self, batch: int) -> None:
+        """The iteration of this run's sampling filters and logprobs at `batch`, captured the first
+        time a run needs it (over inactive rows: no run of this state is in flight)."""
+        key = (batch, self.flags, self.state.logprobs)
+        if self.plain_run or not self.graphs.captured or key in self.run_graphs:
             return
         self.reset_rows(self.max_batch)
-        self.sampled_graphs[key], _ = capture(lambda: self._iteration(batch), self.graphs.pool)
+        self.run_graphs[key], _ = capture(lambda: self._iteration(batch), self.graphs.pool)
 
     def _capture_all(self) -> None:
         pool = self.graphs.pool
@@ -413,6 +444,8 @@ class DeviceLoop:
         else:  # the accept then matches each draft its test passed
             target, drafts = self.state.sampling.verify(logits, lengths, limits, drafts, valid, self.flags)
         self.accept(target, drafts, valid, hist, lengths, limits, self.stops[:batch], self.records[:batch])
+        if self.state.logprobs is not None:
+            self.state.logprob_rows.record(logits, target, self.state.logprobs)
         return graph, target, hidden if aux is None else aux
 
     def _switch_in(self, batch: int) -> None:
@@ -598,13 +631,13 @@ def _run_steps(
 
 def loop_ready(req: Request, settled: bool = True) -> bool:
     """A request the loop can run now: decoding, nothing in flight (`settled`: else, once its step
-    in flight settles), no logprobs to record, past min_new_tokens (whose bans the loop does not
-    apply)."""
+    in flight settles), logprobs (if asked for) within what the loop records, past min_new_tokens
+    (whose bans the loop does not apply)."""
     p = req.params
     return (
         req.decoding
         and not (settled and req.num_pending)
-        and not p.return_logprob
+        and loop_takes_logprobs(p)
         and req.num_output >= p.min_new_tokens
         and len(p.stop_token_ids) + (0 if p.ignore_eos else len(req.eos_token_ids)) <= MAX_STOPS
     )

@@ -746,7 +746,10 @@ class Engine:
                 depth = min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1)
                 verifies.append((depth, len(tokens) - 1))
                 self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
-            reason, added = self._append(req, tokens, None)
+            records = None
+            if req.params.return_logprob:
+                records = StepLogprobs(outputs=result.logprob_records(step, index, tokens, req))
+            reason, added = self._append(req, tokens, records)
             delta += added
             if reason is not None:
                 break

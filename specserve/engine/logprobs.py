@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.engine.host_copy import to_device
@@ -32,31 +33,35 @@ def compute_logprobs(
     if not rows:
         return []
     index = to_device(torch.tensor([r.row for r in rows]), logits.device)
-    logprobs = torch.log_softmax(logits[index], dim=-1)
-    own = logprobs.gather(1, targets.view(-1, 1)).squeeze(1)
-    k = max(r.top_k for r in rows)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    chosen = _chosen_ids(logprobs, rows)
-    # One host copy for the whole step.
-    host_targets, host_own, host_chosen = targets.tolist(), own.tolist(), chosen.tolist()
-    host_top = (top_values.tolist(), top_ids.tolist()) if k else None
-    records: list[LogprobRecord] = []
-    offset = 0
+    ids = np.zeros((len(rows), max(len(r.token_ids or ()) for r in rows)), dtype=np.int64)
     for i, r in enumerate(rows):
-        top = list(zip(host_top[1][i][: r.top_k], host_top[0][i][: r.top_k], strict=True)) if host_top else []
-        ids = r.token_ids or ()
-        values = host_chosen[offset : offset + len(ids)]
-        offset += len(ids)
-        records.append(LogprobRecord(host_targets[i], host_own[i], top, list(zip(ids, values, strict=True))))
-    return records
+        ids[i, : len(r.token_ids or ())] = r.token_ids or ()
+    top_k = max(r.top_k for r in rows)
+    columns = logprob_columns(logits[index], targets, top_k, to_device(torch.from_numpy(ids), logits.device))
+    # One host copy for the whole step.
+    host_targets, (own, top_values, top_ids, chosen) = targets.tolist(), (c.tolist() for c in columns)
+    return [
+        LogprobRecord(
+            host_targets[i],
+            own[i],
+            list(zip(top_ids[i][: r.top_k], top_values[i][: r.top_k], strict=True)),
+            list(zip(r.token_ids or (), chosen[i], strict=False)),
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
-def _chosen_ids(logprobs: torch.Tensor, rows: Sequence[LogprobRow]) -> torch.Tensor:
-    """Flat logprobs of every row's named ids (validated against the vocabulary at admission)."""
-    row_index = [i for i, r in enumerate(rows) for _ in r.token_ids or ()]
-    col_index = [t for r in rows for t in r.token_ids or ()]
-    index = to_device(torch.tensor([row_index, col_index], dtype=torch.long), logprobs.device)
-    return logprobs[index[0], index[1]]
+def logprob_columns(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: int, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of fp32 `logits` [R, V]: the logprob of `targets` [R], the top `top_k` logprobs and
+    their ids [R, top_k], and the logprobs of `ids` [R, C]. The device loop's records take the same
+    arithmetic, so its logprobs are the synchronous path's to the bit. No [R, V] log-softmax is
+    stored: each column is its logit less the row's log-sum-exp."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    own = logits.gather(1, targets.view(-1, 1)) - lse
+    top_values, top_ids = logits.topk(top_k, dim=-1)
+    return own[:, 0], top_values - lse, top_ids, logits.gather(1, ids) - lse
 
 
 @dataclass
