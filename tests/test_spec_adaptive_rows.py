@@ -24,7 +24,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.adaptive_control import AdaptiveSpeculation, context_tokens
 from specserve.spec.adaptive import Tier
 from specserve.spec.draft_depths import VerifyShapes
-from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts
+from specserve.spec.step_costs import DECODE, DRAFT, VERIFY, StepCosts, isotonic
 
 MS = 1e-3
 RUN = 8  # verifies a loop run
@@ -160,6 +160,32 @@ def test_a_loop_step_s_gap_is_priced_per_context_token_by_width():
     for _ in range(3):
         sync.observe(VERIFY, 64, 3, 1.5e-3)
     assert sync.estimate(VERIFY, 64, 9) == pytest.approx(1.5e-3)
+
+
+def test_loop_prices_never_fall_with_the_width():
+    """A width measured over a few dear steps priced above a wider one measured over many (the
+    H200, MT-Bench batch 64: the 1-chain at 1.99 ms, the 2-chain 1.82, the 4-chain 1.26 over most of
+    the row's steps): adjacent widths out of order are pooled, weighted by their steps, so the
+    well-measured width prices the narrow one; widths in order keep their own prices."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(64, q) for q in (2, 3, 5, 9)], _profile)
+    costs.context = 240.0
+    for _ in range(3):  # the 1-chain, tried briefly and dear
+        costs.observe(VERIFY, 64, 2, _profile(64, 2) + 0.8 * MS, rows=True, context=240.0)
+    dear = costs.estimate(VERIFY, 64, 2)
+    assert dear == pytest.approx(_profile(64, 2) + 0.8 * MS)
+    for _ in range(30):  # the 4-chain, run most of the time
+        costs.observe(VERIFY, 64, 5, _profile(64, 5) + 0.1 * MS, rows=True, context=240.0)
+    pooled = (3 * (_profile(64, 2) + 0.8 * MS) + 30 * (_profile(64, 5) + 0.1 * MS)) / 33
+    assert costs.estimate(VERIFY, 64, 2) == pytest.approx(pooled)
+    assert costs.estimate(VERIFY, 64, 5) == pytest.approx(pooled)
+    assert costs.estimate(VERIFY, 64, 3) == pytest.approx(pooled)  # between them: no dearer
+    for _ in range(3):  # the 8-chain, in order above them: its own price
+        costs.observe(VERIFY, 64, 9, _profile(64, 9) + 0.6 * MS, rows=True, context=240.0)
+    assert costs.estimate(VERIFY, 64, 9) == pytest.approx(_profile(64, 9) + 0.6 * MS)
+    assert costs.estimate(VERIFY, 64, 2) == pytest.approx(pooled)
+    assert isotonic([1.0, 3.0, 2.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert isotonic([3.0, 1.0, 2.0], [1.0, 3.0, 1.0]) == pytest.approx([1.5, 1.5, 2.0])
 
 
 def test_a_loop_gap_that_does_not_grow_with_the_context_is_not_priced_as_if_it_did():

@@ -47,7 +47,7 @@ from specserve.config import MODEL_HYSTERESIS, NGRAM_HYSTERESIS, SpeculativeConf
 from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.stats import SpecSettings, StepStats
-from specserve.spec.acceptance import AcceptanceTracker, expected_prefix
+from specserve.spec.acceptance import AcceptanceTracker
 from specserve.spec.adaptive import AdaptivePolicy, Tier, configured_tiers
 from specserve.spec.calibration import ChainOutcomes, GoodputCalibration
 from specserve.spec.draft_depths import VerifyShapes
@@ -295,7 +295,7 @@ class AdaptiveSpeculation:
         """What each chain tier would have made of `request_id`'s chain verifies, against what its
         estimates (before them) promised: the corrections' evidence (`calibration.ChainOutcomes`)."""
         if self._outcomes is not None:
-            self._outcomes.add(expected_prefix(self.acceptance.rates(request_id, 1)), verifies)
+            self._outcomes.add(self.acceptance.prefix(self.acceptance.rates(request_id, 1)), verifies)
 
     def _settle_outcomes(self, batch: int) -> None:
         if self._outcomes is not None:

@@ -16,6 +16,23 @@ rate from the one before it: its prior is at least the configured (optimistic) o
 tier-1 stretch that sees many misses would make every deeper tier look hopeless without ever having
 tried one (what kept issue 9's batch-1 MT-Bench run off although 8-deep drafts doubled throughput).
 
+N-gram acceptance comes in stretches: a lookup that found a long match keeps finding it for a while,
+and one that found none keeps failing. So the verifies of a k-chain are not a fair sample of the
+text: a long chain crosses a good stretch in a few verifies and spends many on a poor one, and its
+rates at position 1 come out far below a short chain's. Greedy SmolLM2 on 24 MT-Bench prompts
+(256 tokens each, replayed on the CPU): position 1 was accepted in 0.37 of a 1-chain's verifies
+and in 0.19 of an 8-chain's; the 8-chain's rates promised a 1-chain 1.19 tokens a verify and a
+2-chain 1.33, where they made 1.37 and 1.55. On the H200 this kept adaptive n-gram speculation
+off, or on the 8-chain, at batch 16-64 where the 1- and 2-chains were the best static rows
+(docs/benchmarks.md, twenty-eighth session). With `per_token` a verify that emitted m + 1 tokens
+counts m + 1 times, as if every token had been a verify's start, and a j-chain's tokens a verify
+are the harmonic mean of 1 + min(L, j) over those starts (L: the drafts a start would have had
+accepted; `harmonic_prefix`): a j-chain verifies once per 1 + min(L, j) tokens of the stretch it
+is in. From the same 8-chain's verifies that promised 1.39, 1.57, 1.74 and 1.85 tokens to the 1-,
+2-, 4- and 8-chains, which made 1.37, 1.55, 1.73 and 1.85. Where acceptance does not come in
+stretches (independent positions) this promises a shorter chain up to ~10% too much, so it is for
+n-gram drafting (the engine sets it), not for a head's.
+
 `pooled_upper` is an upper confidence bound per position (the pooled rate plus a bonus that shrinks
 with the evidence): the policy probes with the tier that is best under it, so a deep tier whose
 positions were barely tested gets tried rather than judged on its prior. While it speculates, the
@@ -57,6 +74,9 @@ class AcceptanceTracker:
         strength: float = 2.0,
     ) -> None:
         self.max_positions = max_positions
+        # count each verify by the tokens it emitted, and price chains by `harmonic_prefix` (the
+        # module docstring: n-gram acceptance comes in stretches)
+        self.per_token = False
         self.request_alpha, self.pooled_alpha = request_alpha, pooled_alpha
         self.prior, self.strength = prior, strength
         self._pooled: dict[int, _Counts] = {}
@@ -113,17 +133,21 @@ class AcceptanceTracker:
         positions = np.arange(self.max_positions)
         tests, accepts = tested[:, :, None] > positions, accepted[:, :, None] > positions
         owns = [self._own(request_id, topk) for request_id, _ in runs]
-        folded = _fold_own(owns, present, tests, accepts, self.request_alpha)
+        weights = (accepted + 1).astype(float) if self.per_token else np.ones(accepted.shape)
+        folded = _fold_own(owns, present, tests, accepts, self.request_alpha, weights)
         for row, (own, increments) in enumerate(zip(owns, folded, strict=True)):
             if increments is None:  # its running factor renormalises on the way: one at a time
-                pairs = zip(tested[row].tolist(), accepted[row].tolist(), strict=True)
-                own.add_many([(t, a) for t, a in pairs if t], self.request_alpha)
+                triples = zip(
+                    tested[row].tolist(), accepted[row].tolist(), weights[row].tolist(), strict=True
+                )
+                kept = [(t, a, w) for t, a, w in triples if t]
+                own.add_many([(t, a) for t, a, _ in kept], self.request_alpha, [w for _, _, w in kept])
             else:
                 own.add_counts(*increments)
         pool, fade = self._pool(topk), self._pool_fade(batch)
         per_step = zip(
-            tests.sum(axis=0).tolist(),
-            accepts.sum(axis=0).tolist(),
+            (tests * weights[:, :, None]).sum(axis=0).tolist(),
+            (accepts * weights[:, :, None]).sum(axis=0).tolist(),
             present.sum(axis=0).tolist(),
             strict=True,
         )
@@ -135,8 +159,14 @@ class AcceptanceTracker:
 
     def _observe(self, request_id: str, topk: int, verifies: Sequence[tuple[int, int]], batch: int) -> None:
         outcomes = self._outcomes(verifies)
-        self._own(request_id, topk).add_many(outcomes, self.request_alpha)
-        self._pool(topk).add_many(outcomes, self._pool_fade(batch))
+        weights = [accepted + 1.0 for _, accepted in outcomes] if self.per_token else None
+        self._own(request_id, topk).add_many(outcomes, self.request_alpha, weights)
+        self._pool(topk).add_many(outcomes, self._pool_fade(batch), weights)
+
+    def prefix(self, rates: Sequence[float]) -> list[float]:
+        """[s]: the tokens a verify of an s-deep chain emits, for every s from 0 to len(rates):
+        `harmonic_prefix` with `per_token`, else `expected_prefix`."""
+        return harmonic_prefix(rates) if self.per_token else expected_prefix(rates)
 
     def _own(self, request_id: str, topk: int) -> _Counts:
         own = self._requests.get((request_id, topk))
@@ -236,7 +266,8 @@ class AcceptanceTracker:
 
     def expected_tokens(self, request_id: str, topk: int, steps: int) -> float:
         """Tokens one verify of a `steps`-deep draft is expected to emit (1 with no draft)."""
-        return expected_tokens(self.rates(request_id, topk), steps)
+        rates = self.rates(request_id, topk)[:steps]
+        return self.prefix(rates)[-1]
 
     def reach(self, request_id: str, topk: int) -> list[float]:
         """[j]: the probability that draft j + 1 is accepted (every draft before it too)."""
@@ -272,18 +303,21 @@ class _Counts:
         scale = self._scale
         return [t * scale for t in self._tested]
 
-    def add_many(self, outcomes: Sequence[tuple[int, int]], alpha: float) -> None:
+    def add_many(
+        self, outcomes: Sequence[tuple[int, int]], alpha: float, weights: Sequence[float] | None = None
+    ) -> None:
         """(tested, accepted) outcomes in order, each fading the counts by `alpha` first: one call
         for a device-loop run's verifies of a request (8 at a time; a call each was most of the
-        adaptive engine's host work per engine step at batch 64)."""
+        adaptive engine's host work per engine step at batch 64). `weights`: what each counts
+        (default 1)."""
         keep = 1.0 - alpha
         scale = self._scale
-        for tested, accepted in outcomes:
+        for n, (tested, accepted) in enumerate(outcomes):
             before, scale = scale, scale * keep
             if scale < self._FLOOR:  # renormalise: the counts as they stand before this outcome
                 self._scale = before
                 self._accepted, self._tested, scale = self.accepted, self.tested, keep
-            weight = 1.0 / scale
+            weight = (1.0 if weights is None else weights[n]) / scale
             counts = self._tested
             for i in range(tested):
                 counts[i] += weight
@@ -333,18 +367,24 @@ def expected_tokens(rates: Sequence[float], steps: int) -> float:
 
 
 def _fold_own(
-    owns: Sequence[_Counts], present: np.ndarray, tests: np.ndarray, accepts: np.ndarray, alpha: float
+    owns: Sequence[_Counts],
+    present: np.ndarray,
+    tests: np.ndarray,
+    accepts: np.ndarray,
+    alpha: float,
+    counts: np.ndarray,
 ) -> Iterator[tuple[list[float], list[float], float] | None]:
     """Per request, its run's outcomes folded into one increment of its counts, as `_Counts.add_many`
     adds them one by one: its m-th outcome (1-based) weighs 1 / (s (1 - alpha)^m), s its running
     factor before them. `present`: [request, step], whether the step made an outcome; `tests` /
-    `accepts`: [request, step, position], whether it tested / accepted the position. Yields
+    `accepts`: [request, step, position], whether it tested / accepted the position; `counts`:
+    [request, step], what each outcome counts (`AcceptanceTracker.per_token`). Yields
     (tested, accepted, new factor) per request, or None where the factor would pass
     `_Counts._FLOOR` (renormalised one outcome at a time instead)."""
     keep = 1.0 - alpha
     scales = np.array([own._scale for own in owns])
     order = np.cumsum(present, axis=1)  # m of each outcome
-    weights = np.where(present, keep ** -order.astype(float) / scales[:, None], 0.0)
+    weights = np.where(present, counts * keep ** -order.astype(float) / scales[:, None], 0.0)
     tested = np.einsum("rs,rsp->rp", weights, tests).tolist()
     accepted = np.einsum("rs,rsp->rp", weights, accepts).tolist()
     ends = (scales * keep ** order[:, -1].astype(float)).tolist()
@@ -359,6 +399,19 @@ def expected_prefix(rates: Sequence[float]) -> list[float]:
         survive *= rate
         total += survive
         out.append(total)
+    return out
+
+
+def harmonic_prefix(rates: Sequence[float]) -> list[float]:
+    """[s]: the tokens a verify of an s-deep chain emits, for every s from 0 to len(rates), where
+    `rates` are per-token rates (`AcceptanceTracker.per_token`): with L the drafts a token's start
+    would have had accepted (P(L >= i) the product of the first i rates), a chain verifies once per
+    1 + min(L, s) tokens, so it emits 1 / E[1 / (1 + min(L, s))] tokens a verify."""
+    out, survive, partial = [1.0], 1.0, 0.0  # partial: E over the starts that stop before s
+    for i, rate in enumerate(rates):
+        partial += survive * (1.0 - rate) / (1 + i)
+        survive *= rate
+        out.append(1.0 / (partial + survive / (i + 2)))
     return out
 
 

@@ -86,7 +86,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.config import SpeculativeConfig
-from specserve.spec.acceptance import AcceptanceTracker, expected_prefix, reach
+from specserve.spec.acceptance import AcceptanceTracker, reach
 from specserve.spec.calibration import GoodputCalibration, batch_class
 from specserve.spec.draft_depths import VerifyShapes, drain_depths, drain_steps, goodput_depths
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, SETUP, VERIFY, StepCosts
@@ -490,7 +490,7 @@ class AdaptivePolicy:
             explore = self._explore_span(topk)
             if left is not None and self.drain_strength is not None:
                 forecast = self.acceptance.rates_of(ids, topk, explore, self.probe_z, self.drain_strength)
-                ahead[topk] = [expected_prefix(rates) for rates in forecast.values()]
+                ahead[topk] = [self.acceptance.prefix(rates) for rates in forecast.values()]
             for rates in self.acceptance.rates_of(ids, topk, explore, self.probe_z).values():
                 # A model drafter's request drafts only the positions it reaches with odds of at
                 # least min_reach; an n-gram lookup costs the same however deep (cut like that, a
@@ -499,7 +499,7 @@ class AdaptivePolicy:
                 reach_count = (
                     sum(1 for p in reach(rates) if p >= self.min_reach) if self.draft_per_step else len(rates)
                 )
-                rows.append((expected_prefix(rates), reach_count))
+                rows.append((self.acceptance.prefix(rates), reach_count))
             prefixes[topk] = rows
         goodput: dict[Tier, float] = {}
         score: dict[Tier, float] = {}
@@ -629,7 +629,7 @@ class AdaptivePolicy:
     def _upper_goodput(self, tier: Tier, batch: int, seconds: float | None = None) -> float:
         """`tier`'s goodput over `batch` requests under the pooled upper confidence bounds (`seconds`:
         its step's, when known)."""
-        upper = expected_prefix(self.acceptance.pooled_upper(tier.topk, self.probe_z))
+        upper = self.acceptance.prefix(self.acceptance.pooled_upper(tier.topk, self.probe_z))
         seconds = self.step_seconds(tier, batch) if seconds is None else seconds
         return batch * upper[min(tier.num_steps, len(upper) - 1)] / seconds
 

@@ -52,6 +52,10 @@ prompts where its few steps cost ~1.9 (fourteenth session), and it never ran. Wh
 width gets the least it could make it: past the one width measured, that width's gap (all fixed);
 below the narrowest, in proportion (all per row). A tier priced too dear is never run to correct
 it, while one priced too cheap is run, measured, and priced by the fit through its own width.
+At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
+order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
+early in a batch was priced above a wider one measured over most of it, and a wider one below a
+narrower (`StepCosts._monotone_gaps`).
 
 A kind measured only live (`DECODE`: an overlapped step cannot be profiled alone) borrows the batch
 shape of a profiled kind (`shape_of`, width 1): past its measured batches, the nearest measured
@@ -138,6 +142,7 @@ class StepCosts:
         # batch -> what prices them (`_ContextGap`)
         self._loop_gaps: dict[tuple[str, int, int], deque[tuple[float, float, float]]] = {}
         self._loop_gap: dict[tuple[str, int], dict[int, _ContextGap]] = {}
+        self._loop_steps: dict[tuple[str, int, int], int] = {}  # steady steps each was measured over
         # the mean context (tokens) of the requests of the step being priced; 1: unknown, and loop
         # gaps are then kept and priced as measured
         self.context = 1.0
@@ -198,6 +203,7 @@ class StepCosts:
         widths measured here that do (one measured at one context says nothing of it)."""
         gaps = self._loop_gaps.setdefault((kind, width, batch), deque(maxlen=self.window))
         gaps.append(sample)
+        self._loop_steps[(kind, width, batch)] = self._loop_steps.get((kind, width, batch), 0) + 1
         if len(gaps) < self.min_samples:
             return
         measured = {
@@ -209,7 +215,8 @@ class StepCosts:
         pooled = _context_slope([measured[w] for w, slope in own.items() if slope is not None])
         for w, kept in measured.items():
             slope = own[w] if own[w] is not None else pooled
-            self._loop_gap.setdefault((kind, w), {})[batch] = _ContextGap.of(kept, slope)
+            steps = self._loop_steps[(kind, w, batch)]
+            self._loop_gap.setdefault((kind, w), {})[batch] = _ContextGap.of(kept, slope, steps)
 
     def samples(self, kind: str, batch: int, width: int) -> int:
         """How many steady measurements of this shape are kept (at most `window`; its price counts
@@ -275,20 +282,44 @@ class StepCosts:
     def loop_gap(self, kind: str, batch: int, width: int) -> float:
         """Seconds a device-loop step of this shape takes beyond its profile over contexts of
         `self.context` tokens: each measured width's gap at those contexts at `batch` (linear in batch
-        between the batches that measured it, past them the nearest one's), and between widths
-        linear; past the widest along their slope (never falling: one width alone, its gap), below
-        the narrowest in proportion to the width (the module docstring)."""
-        at = {
-            w: _clamped({b: gap.at(self.context) for b, gap in row.items()}, batch)
-            for (k, w), row in self._loop_gap.items()
-            if k == kind and row
-        }
-        if not at:
+        between the batches that measured it, past them the nearest one's), their prices made
+        non-decreasing in width (`_monotone_gaps`), and between widths linear; past the widest
+        along their slope (never falling: one width alone, its gap), below the narrowest in
+        proportion to the width (the module docstring)."""
+        rows = {w: row for (k, w), row in self._loop_gap.items() if k == kind and row}
+        if not rows:
             return 0.0
+        at = {
+            w: _clamped({b: gap.at(self.context) for b, gap in row.items()}, batch) for w, row in rows.items()
+        }
+        steps = {
+            w: _clamped({b: float(gap.steps) for b, gap in row.items()}, batch) for w, row in rows.items()
+        }
+        at = self._monotone_gaps(kind, batch, at, steps)
         narrowest = min(at)
         if width < narrowest:  # the least a part per request and one per row could make it
             return at[narrowest] * width / narrowest
         return max(_interpolate(at, width, affine=True), 0.0)
+
+    def _monotone_gaps(
+        self, kind: str, batch: int, gaps: dict[int, float], steps: dict[int, float]
+    ) -> dict[int, float]:
+        """The measured widths' gaps with their prices (profile plus gap) made non-decreasing in
+        width: adjacent widths priced out of order pooled into their mean weighted by the steps
+        that measured them (`isotonic`). A step of more rows over the same requests never costs
+        less, while a width's gap measured over few steps (a tier tried briefly, early in a batch)
+        can be well off: at MT-Bench batch 64 on the H200 the policy priced the 1-chain at 1.99 ms
+        and the 2-chain at 1.82 beside the 4-chain's 1.26, the chain that ran 113 of the row's 127
+        engine steps (docs/benchmarks.md, twenty-sixth session). The well-measured width then
+        prices the others."""
+        profiled = self._profiled.get
+        widths = sorted(w for w in gaps if profiled((kind, w)))
+        prices = [_interpolate(profiled((kind, w)), batch) + gaps[w] for w in widths]
+        fitted = isotonic(prices, [steps[w] for w in widths])
+        out = dict(gaps)
+        for w, price, fit in zip(widths, prices, fitted, strict=True):
+            out[w] = gaps[w] + fit - price
+        return out
 
     def _borrow_shape(self, kind: str, width: int, row: dict[int, float], batch: int) -> float:
         """A live-only shape: between measured batches linear; outside them the nearest measured cost
@@ -330,20 +361,36 @@ def _kept(samples: Iterable[tuple]) -> list[tuple]:
     return [sample for sample in samples if sample[0] <= cut]
 
 
+def isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest `values` in weighted least squares (pool adjacent
+    violators: a run of values out of order becomes their weighted mean)."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, count]
+    for value, weight in zip(values, weights, strict=True):
+        weight = max(weight, 1e-9)
+        blocks.append([value * weight, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, mass, count = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + total, blocks[-1][1] + mass, blocks[-1][2] + count]
+    return [total / mass for total, mass, count in blocks for _ in range(count)]
+
+
 class _ContextGap(NamedTuple):
     """A loop width's gap at one batch: its mean over the kept steps, the mean context they were
-    measured at, and how much it grows per context token (module docstring)."""
+    measured at, how much it grows per context token (module docstring), and how many steady steps
+    measured it (its weight beside other widths, `StepCosts._monotone_gaps`)."""
 
     gap: float
     context: float
     slope: float
+    steps: int = 1
 
     @classmethod
-    def of(cls, kept: list[tuple[float, float, float]], slope: float | None) -> _ContextGap:
+    def of(cls, kept: list[tuple[float, float, float]], slope: float | None, steps: int = 1) -> _ContextGap:
         gap = sum(g for _, g, _ in kept) / len(kept)
         context = sum(c for _, _, c in kept) / len(kept)
         proportional = max(gap, 0.0) / context  # all of it per context token: the most it could grow
-        return cls(gap, context, proportional if slope is None else min(max(slope, 0.0), proportional))
+        slope = proportional if slope is None else min(max(slope, 0.0), proportional)
+        return cls(gap, context, slope, steps)
 
     def at(self, context: float) -> float:
         return self.gap + self.slope * (context - self.context)
