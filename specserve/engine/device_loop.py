@@ -55,6 +55,7 @@ from specserve.engine.host_copy import to_device
 from specserve.engine.loop_logprobs import (
     LogprobShape,
     LoopLogprobs,
+    asking_rows,
     logprob_shape,
     loop_records,
     loop_takes_logprobs,
@@ -92,30 +93,34 @@ CARRY_SHARE = int(os.environ.get("SPECSERVE_LOOP_CARRY", "4"))
 class LoopOutput:
     """Per iteration and request (host arrays): the tokens its verify produced (argmax of each
     row), how many of them the request takes, the real drafts it verified (0 once inactive), and
-    where the run records logprobs, each row's (`loop_logprobs.py`)."""
+    where the run records logprobs, each asking request's rows' (`loop_logprobs.py`: by slot)."""
 
     tokens: np.ndarray  # [N, B, k + 1]
     counts: np.ndarray  # [N, B]
     drafted: np.ndarray  # [N, B]
-    logprobs: np.ndarray | None = None  # [N, B, k + 1, shape.width]
+    logprobs: np.ndarray | None = None  # [N, slots, k + 1, shape.width]
     shape: LogprobShape | None = None
+    slots: tuple[int, ...] = ()  # the request row each slot records
 
     def emitted(self, step: int, index: int) -> list[int]:
         return self.tokens[step, index, : self.counts[step, index]].tolist()
 
     def logprob_records(self, step: int, index: int, tokens: list[int], req: Request) -> list[LogprobRecord]:
         """The records of the tokens a request took at `step` (it asked for logprobs)."""
-        return loop_records(self.logprobs[step, index], tokens, req.params, self.shape)
+        slot = self.slots.index(index)
+        return loop_records(self.logprobs[step, slot], tokens, req.params, self.shape)
 
 
 @dataclass(frozen=True)
 class LoopRecords:
     """A launch's records copying to the host: `host` is valid once `done` has passed (None: on
-    the CPU, at once); `shape`: the logprobs its rows record past the tokens, if any."""
+    the CPU, at once); `shape`: the logprobs its rows record past the tokens, if any (slot s in row
+    s), `slots` the request row of each."""
 
     host: torch.Tensor
     done: torch.cuda.Event | None
     shape: LogprobShape | None = None
+    slots: tuple[int, ...] = ()
 
 
 class SamplingRows:
@@ -343,13 +348,13 @@ class DeviceLoop:
             if self.state.owner is not self:
                 self._switch_in(batch)
         else:
-            self.state.flags, self.state.logprobs = self.flags_of(reqs), logprob_shape(reqs)
+            self.state.flags, self.state.logprobs = self.flags_of(reqs), logprob_shape(reqs, batch)
             self._capture_variant(batch)  # before the rows are set up: it runs over inactive ones
             self._setup(reqs, limits, stop_ids, batch)
             if not self.flags.all_greedy:  # greedy runs never read them
                 self.state.sampling.write(reqs, batch)
             if self.state.logprobs is not None:
-                self.state.logprob_rows.write_ids(reqs, batch)
+                self.state.logprob_rows.write(reqs, self.state.logprobs.slots)
         self.state.owner = self
         shape, k = self.state.logprobs, self.query_len
         width = k + 2 + (0 if shape is None else k * shape.width)
@@ -362,8 +367,10 @@ class DeviceLoop:
                 self._iteration(batch)
             out[step, :, : k + 2].copy_(self.records[:batch])
             if shape is not None:
-                out[step, :, k + 2 :].copy_(self.state.logprob_rows.records[:batch, : k * shape.width])
-        return self._to_host(out[:, :n], shape)
+                slots = shape.slots
+                out[step, :slots, k + 2 :].copy_(self.state.logprob_rows.records[:slots, : k * shape.width])
+        slots = asking_rows(reqs) if shape is not None else ()
+        return self._to_host(out[:, :n], shape, slots)
 
     def collect(self, records: LoopRecords) -> LoopOutput:
         """A launch's records on the host (the one wait for the device, for that launch's steps
@@ -373,13 +380,13 @@ class DeviceLoop:
         host = records.host.numpy()
         k, shape = self.query_len, records.shape
         logprobs = None if shape is None else host[:, :, k + 2 :].reshape(*host.shape[:2], k, shape.width)
-        return LoopOutput(host[:, :, :k], host[:, :, k], host[:, :, k + 1], logprobs, shape)
+        return LoopOutput(host[:, :, :k], host[:, :, k], host[:, :, k + 1], logprobs, shape, records.slots)
 
-    def _to_host(self, out: torch.Tensor, shape: LogprobShape | None) -> LoopRecords:
+    def _to_host(self, out: torch.Tensor, shape: LogprobShape | None, slots: tuple[int, ...]) -> LoopRecords:
         """An asynchronous copy into the next of a few page-locked buffers (a run in flight and one
         being collected hold two; pinning per copy would cost the host ~0.1 ms a launch)."""
         if out.device.type != "cuda":
-            return LoopRecords(out.clone(), None, shape)
+            return LoopRecords(out.clone(), None, shape, slots)
         slot = self._next_pinned
         self._next_pinned = (slot + 1) % len(self._pinned)
         buffer = self._pinned[slot]
@@ -389,7 +396,7 @@ class DeviceLoop:
         host.copy_(out, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return LoopRecords(host, done, shape)
+        return LoopRecords(host, done, shape, slots)
 
     def reset_rows(self, batch: int) -> None:
         """Every row of `batch` inactive (length 1, limit 0): a step over them appends nothing and

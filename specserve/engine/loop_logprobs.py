@@ -5,8 +5,10 @@ A request asking for logprobs used to keep the whole batch out of the loop (one 
 batch of 64 sent all 64 to the synchronous path). Now a run whose requests ask for them records,
 per iteration and row, the same columns the synchronous path's `logprob_columns` computes from the
 same logits: float32 values kept as their bit patterns in the int64 records, so the records stay one
-buffer and one host copy. A run's shape (`LogprobShape`: the top k and the ids' width, rounded up to
-a power of two) is part of its captured iteration's key, like its sampling filters.
+buffer and one host copy. Only the asking requests' rows are scored: each has a slot (the run's
+`slots`, request rows in order), and slot s's records ride in row s of the run's records. A run's
+shape (`LogprobShape`: the slots, the top k and the ids' width, each rounded up to a power of two)
+is part of its captured iteration's key, like its sampling filters.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ LOOP_MAX_LOGPROBS = 32
 
 @dataclass(frozen=True)
 class LogprobShape:
-    """What a run's iteration records per verify row: the top `top_k` and `ids` named ids."""
+    """What a run's iteration records: for `slots` requests, per verify row, the token's own
+    logprob, the top `top_k` and `ids` named ids."""
 
     top_k: int
     ids: int
+    slots: int = 1
 
     @property
     def width(self) -> int:
@@ -47,15 +51,20 @@ def loop_takes_logprobs(params: SamplingParams) -> bool:
     return params.top_logprobs_num <= LOOP_MAX_LOGPROBS and named <= LOOP_MAX_LOGPROBS
 
 
-def logprob_shape(reqs: list[Request]) -> LogprobShape | None:
-    """The shape a run over `reqs` records (None: no request asks), rounded up so that few shapes
-    get captured."""
+def logprob_shape(reqs: list[Request], batch: int) -> LogprobShape | None:
+    """The shape a run over `reqs` in a bucket of `batch` rows records (None: no request asks),
+    rounded up so that few shapes get captured."""
     asking = [r.params for r in reqs if r.params.return_logprob]
     if not asking:
         return None
     top_k = max(p.top_logprobs_num for p in asking)
     ids = max(len(p.token_ids_logprob or ()) for p in asking)
-    return LogprobShape(_round_up(top_k), _round_up(ids))
+    return LogprobShape(_round_up(top_k), _round_up(ids), min(_round_up(len(asking)), batch))
+
+
+def asking_rows(reqs: list[Request]) -> tuple[int, ...]:
+    """The rows of the requests that ask for logprobs: slot s records row `asking_rows[s]`."""
+    return tuple(b for b, req in enumerate(reqs) if req.params.return_logprob)
 
 
 def _round_up(n: int) -> int:
@@ -63,32 +72,42 @@ def _round_up(n: int) -> int:
 
 
 class LoopLogprobs:
-    """The device side: each request's named ids ([B, LOOP_MAX_LOGPROBS], written when a run
-    starts) and the records of one iteration's rows (per request, up to `rows` rows of the widest
-    shape, flat: a run's [B, rows * width] reads them as one block)."""
+    """The device side, per slot: the request row it records and that request's named ids
+    ([B, LOOP_MAX_LOGPROBS]; both written when a run starts), and the records of one iteration
+    (up to `rows` verify rows of the widest shape, flat: a run's [slots, rows * width] reads them
+    as one block)."""
 
     def __init__(self, batch: int, rows: int, device: torch.device) -> None:
+        self.rows = torch.zeros(batch, dtype=torch.int64, device=device)
         self.ids = torch.zeros(batch, LOOP_MAX_LOGPROBS, dtype=torch.int64, device=device)
+        self.steps = torch.arange(rows, dtype=torch.int64, device=device)
         widest = LogprobShape(LOOP_MAX_LOGPROBS, LOOP_MAX_LOGPROBS).width
         self.records = torch.zeros(batch, rows * widest, dtype=torch.int64, device=device)
 
-    def write_ids(self, reqs: list[Request], batch: int) -> None:
-        ids = np.zeros((batch, LOOP_MAX_LOGPROBS), dtype=np.int64)
-        for b, req in enumerate(reqs):
-            named = req.params.token_ids_logprob or ()
-            ids[b, : len(named)] = named
-        self.ids[:batch].copy_(to_device(torch.from_numpy(ids), self.ids.device))
+    def write(self, reqs: list[Request], slots: int) -> None:
+        """The slots of a run over `reqs` (`asking_rows`; pad slots record row 0, unread), one copy."""
+        packed = np.zeros((slots, 1 + LOOP_MAX_LOGPROBS), dtype=np.int64)
+        for slot, row in enumerate(asking_rows(reqs)[:slots]):
+            named = reqs[row].params.token_ids_logprob or ()
+            packed[slot, 0] = row
+            packed[slot, 1 : 1 + len(named)] = named
+        packed = to_device(torch.from_numpy(packed), self.ids.device)
+        self.rows[:slots].copy_(packed[:, 0])
+        self.ids[:slots].copy_(packed[:, 1:])
 
     def record(self, logits: torch.Tensor, target: torch.Tensor, shape: LogprobShape) -> torch.Tensor:
-        """The iteration's records, [B, rows * shape.width] (`records`' leading block), for verify
-        rows `logits` [B * rows, V] and the token each row emits if the chain gets that far,
-        `target` [B, rows]."""
-        batch, rows = target.shape
-        ids = self.ids[:batch, None, : shape.ids].expand(batch, rows, shape.ids).reshape(batch * rows, -1)
-        own, top_values, top_ids, chosen = logprob_columns(logits, target.reshape(-1), shape.top_k, ids)
+        """The iteration's records, [slots, rows * shape.width] (`records`' leading block), for
+        verify rows `logits` [B * rows, V] and the token each row emits if the chain gets that far,
+        `target` [B, rows]: the slots' requests' rows only."""
+        rows, slots = target.shape[1], shape.slots
+        index = (self.rows[:slots, None] * rows + self.steps[:rows]).view(-1)
+        ids = self.ids[:slots, None, : shape.ids].expand(slots, rows, shape.ids).reshape(slots * rows, -1)
+        own, top_values, top_ids, chosen = logprob_columns(
+            logits.index_select(0, index), target.view(-1).index_select(0, index), shape.top_k, ids
+        )
         values = torch.cat([own[:, None], top_values, chosen], dim=1).view(torch.int32).to(torch.int64)
-        out = self.records[:batch, : rows * shape.width]
-        out.view(batch, rows, shape.width).copy_(torch.cat([values, top_ids], dim=1).view(batch, rows, -1))
+        out = self.records[:slots, : rows * shape.width]
+        out.view(slots, rows, shape.width).copy_(torch.cat([values, top_ids], dim=1).view(slots, rows, -1))
         return out
 
 
