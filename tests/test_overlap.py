@@ -58,22 +58,41 @@ def test_greedy_sampled_and_stopping_requests_match_the_synchronous_engine(targe
     assert {o.finish_reason for o in outs} >= {"length", "stop"}
 
 
-def test_logprob_requests_settle_at_once_and_match(target):
+def test_logprob_requests_stay_overlapped_and_match(target):
+    """Logprob requests (prompt and output, top k, named ids, beside one asking none) are scored at
+    launch and read when their step settles: their steps stay in flight like any other (they used
+    to be settled at once, the host waiting on the device every step), with the synchronous
+    engine's outputs and logprobs."""
     prompts = _prompts(4, seed=1)
-    params = SamplingParams(
+    asking = SamplingParams(
         max_new_tokens=12,
         temperature=0.8,
         seed=3,
         return_logprob=True,
         top_logprobs_num=3,
+        token_ids_logprob=(4, 9),
         logprob_start_len=0,
     )
+    params = [asking, asking, SamplingParams(max_new_tokens=10, temperature=0.0), asking]
     reference = _llm(target, False).generate(prompts, params)
-    outs = _llm(target, True).generate(prompts, params)
+    llm = _llm(target, True)
+    in_flight = []
+    step = llm.engine.step
+
+    def counting():
+        out = step()
+        in_flight.append(llm.engine._inflight is not None)
+        return out
+
+    llm.engine.step = counting
+    outs = llm.generate(prompts, params)
     _same(outs, reference)
     for o, r in zip(outs, reference, strict=True):
-        assert o.meta["output_token_logprobs"] == r.meta["output_token_logprobs"]
-        assert o.meta["input_token_logprobs"] == r.meta["input_token_logprobs"]
+        for name in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs"):
+            assert o.meta.get(name) == r.meta.get(name)
+        assert o.meta.get("output_token_ids_logprobs") == r.meta.get("output_token_ids_logprobs")
+    assert outs[0].meta["output_token_ids_logprobs"] and "output_top_logprobs" not in outs[2].meta
+    assert sum(in_flight) >= 10, "logprob steps left in flight while the next is launched"
 
 
 def test_retraction_in_a_tiny_pool_and_chunked_prefill(target):

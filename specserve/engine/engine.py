@@ -36,7 +36,7 @@ from specserve.engine.head_loop import head_loop_factory
 from specserve.engine.host_copy import to_device
 from specserve.engine.kv_cache import KVCache
 from specserve.engine.kv_manager import KVManager
-from specserve.engine.logprobs import StepLogprobs, step_logprobs
+from specserve.engine.logprobs import PendingLogprobs, StepLogprobs, step_logprobs
 from specserve.engine.output import make_output
 from specserve.engine.overlap import InFlight
 from specserve.engine.recurrent_batch import accepted_snapshots, build_recurrent_batch
@@ -344,9 +344,6 @@ class Engine:
         stats.lap("target")
         outputs = self._settle_step(previous) if previous is not None else []
         self._inflight = launched
-        if launched is not None and launched.sync:  # its logprobs read logits the next step reuses
-            outputs += self._settle_step(launched)
-            self._inflight = None
         stats.lap("postprocess")
         return outputs
 
@@ -372,7 +369,9 @@ class Engine:
         else:
             tokens = torch.empty(0, dtype=torch.long, device=self.device)
         wants_logprobs = bool(inp.input_logprobs) or any(r.params.return_logprob for r in owners)
-        flight = InFlight.start(items, inp, tokens, logits if wants_logprobs else None)
+        # scored now, before the next step reuses the logits; read when this step settles
+        logprobs = PendingLogprobs.launch(items, inp, logits, tokens) if wants_logprobs else None
+        flight = InFlight.start(items, inp, tokens, logprobs)
         for item in items:
             item.request.num_computed = item.end
             item.request.settling = item.completes and item.request.prefill_only
@@ -384,10 +383,7 @@ class Engine:
 
     def _settle_step(self, flight: InFlight) -> list[RequestOutput]:
         tokens = flight.sampled()
-        records: dict[int, StepLogprobs] = {}
-        if flight.sync:
-            emitted = {index: [token] for index, token in tokens.items()}
-            records = step_logprobs(flight.items, flight.inp, flight.logits, emitted)
+        records = flight.logprobs.records() if flight.logprobs is not None else {}
         outputs = []
         for index, item in enumerate(flight.items):
             out = self._settle(item, tokens.get(index), records.get(index))

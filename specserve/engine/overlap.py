@@ -6,8 +6,9 @@ input for a request still waiting on its step-n token is a FUTURE_TOKEN in the r
 `token_ids`, sent as -(row + 1) and resolved on the device from step n's sampled-token tensor
 (`resolve_future_ids`). A request that stops at step n (EOS, a stop string) has one wasted row in
 step n+1, discarded when that step is settled; one that reaches its token limit is `settling` and
-not scheduled again. Steps whose requests want logprobs are settled before the next launch (the
-logits must still be there to score).
+not scheduled again. A step whose requests want logprobs scores its rows at launch, before the next
+step reuses its logits, and copies them to the host with its tokens (`PendingLogprobs`): the host
+reads them when it settles the step, as it reads the tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.logprobs import PendingLogprobs
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.step_input import StepInput
 
@@ -30,11 +32,15 @@ class InFlight:
     host: torch.Tensor  # its copy on the host (valid once `done` has completed)
     done: torch.cuda.Event | None
     rows: dict[str, int]  # request id -> its row of `tokens`
-    logits: torch.Tensor | None  # kept for a step settled before the next launch (logprobs)
+    logprobs: PendingLogprobs | None  # its rows' logprobs, scored at launch, copying to the host
 
     @classmethod
     def start(
-        cls, items: list[ScheduledItem], inp: StepInput, tokens: torch.Tensor, logits: torch.Tensor | None
+        cls,
+        items: list[ScheduledItem],
+        inp: StepInput,
+        tokens: torch.Tensor,
+        logprobs: PendingLogprobs | None,
     ) -> InFlight:
         done = None
         host = tokens
@@ -43,11 +49,7 @@ class InFlight:
             done = torch.cuda.Event()
             done.record()
         rows = {items[index].request.request_id: row for row, index in enumerate(inp.sample_items)}
-        return cls(items, inp, tokens, host, done, rows, logits)
-
-    @property
-    def sync(self) -> bool:
-        return self.logits is not None
+        return cls(items, inp, tokens, host, done, rows, logprobs)
 
     def future(self) -> torch.Tensor | None:
         """What the next step resolves its FUTURE_TOKEN ids from (None: this step samples nothing)."""
