@@ -12,7 +12,11 @@ size in turn, warmed up first (the policy keeps what it learnt), each request ma
 and leaves, so the batch thins in the tail; of `--repeats` runs the faster counts.
 
 Acceptance is n-gram-like, bimodal (a short or a long match, or none), per request (`TEXT`: classes
-fitted to the H100's accept lengths, `ACCEPT`). `--run` picks the H100 run that clocks the steps
+fitted to the H100's accept lengths, `ACCEPT`), each position drawn on its own. `--replay N` takes
+it from real text instead: N greedy MT-Bench answers of the default model, generated on the CPU once
+(cached), and what an n-gram lookup gets right at each of their positions. Real text comes in
+stretches, which the drawn models lack; the engine counts n-gram acceptance per token for that
+(`AcceptanceTracker.per_token`), and so does the policy here (`--per-verify`: as before). `--run` picks the H100 run that clocks the steps
 (`sixth`, the default: the sixth session's run, whose cost tables were 1.5-3x off; `latest`: the
 fifth session's run after its cost-model fix; `first`: the one before, whose plain rows ran steadier;
 `twelfth`, issue 9's twelfth H100 run (the eleventh session's first, docs/benchmarks.md): chain tiers
@@ -61,6 +65,7 @@ import bisect
 import json
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 from specserve.config import SpeculativeConfig
@@ -387,7 +392,13 @@ class Clock:
         bursty: tuple[float, float] | None = None,
         flat_context: float | None = None,
         switch_settles: bool = False,
+        replay: list[list[int | None]] | None = None,
+        per_verify: bool = False,
     ) -> None:
+        # `--replay`: per request, the match lengths of real answers (`replay_matches`)
+        self.replay = replay
+        # `--per-verify`: acceptance counted per verify, as before the engine counted n-gram's per token
+        self.per_verify = per_verify
         # `--flat-context`: the loop's attention priced as if every context had this many tokens
         self.flat_context = flat_context
         self.table, self.text, self.seed, self.jitter = H100[run][workload], TEXT[workload], seed, jitter
@@ -448,6 +459,13 @@ class Clock:
         """Request i's text is the same in every run (common random numbers: every system, static or
         adaptive, meets the same matches): per output position, the drafts a lookup there would get
         right, None where it finds nothing (half the lookups without a right draft)."""
+        if self.replay:
+            return [
+                _request(
+                    run, i, self.replay[(self.seed + i) % len(self.replay)][:tokens], prompt_len=self.prompt
+                )
+                for i in range(batch)
+            ]
         if self.bursty:
             return self._bursty_requests(batch, tokens, run)
         if self.mix:
@@ -701,6 +719,7 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     settings = {"profile": False, **SETTINGS}
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": settings})
     adaptive = AdaptiveSpeculation(spec)
+    adaptive.acceptance.per_token = not clock.per_verify  # as the engine counts n-gram drafting's
     adaptive.overlapped_off = True
     adaptive.shapes = VerifyShapes(tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1])
     if clock.loop:
@@ -709,6 +728,44 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
             adaptive.policy.switch_on_device = frozenset()
     profile(adaptive, clock)
     return adaptive
+
+
+def replay_matches(prompts: int, tokens: int) -> list[list[int | None]]:
+    """Per MT-Bench answer (greedy SmolLM2-135M-Instruct on the CPU, the first `prompts` prompts,
+    `tokens` tokens, EOS ignored), per output position the drafts an n-gram lookup there
+    (`NgramDrafter` with the engine's match lengths) gets right, None where it finds nothing. Real
+    text comes in stretches: a long match runs on through a repeated passage, none outside one
+    (`specserve/spec/acceptance.py`). Cached under ~/.cache/specserve/sim/."""
+    import numpy as np
+
+    from specserve import LLM, SamplingParams
+    from specserve.bench_data import prompt_texts
+    from specserve.spec.ngram import NgramDrafter
+
+    cache = Path.home() / ".cache" / "specserve" / "sim" / f"replay-{prompts}x{tokens}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    config = SpeculativeConfig(method="ngram")
+    lookup = NgramDrafter(config.ngram_min_match, config.ngram_max_match)
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32")
+    chats = [
+        llm._chat_ids([{"role": "user", "content": t}]) for t in prompt_texts("mt-bench", seed=0)[:prompts]
+    ]
+    outs = llm.generate(chats, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
+    matches = []
+    for prompt, out in zip(chats, outs, strict=True):
+        seq = np.array(prompt + out.token_ids, dtype=np.int64)
+        row: list[int | None] = []
+        for at in range(len(prompt), len(seq)):
+            draft = lookup.propose(seq[:at], 16)
+            n = 0
+            while n < len(draft) and at + n < len(seq) and seq[at + n] == draft[n]:
+                n += 1
+            row.append(n if draft else None)
+        matches.append(row)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(matches))
+    return matches
 
 
 def main() -> int:
@@ -758,6 +815,18 @@ def main() -> int:
         "with the context (the H200's loop iterations on MT-Bench, batch 16 and 64: flat from 150 to 330)",
     )
     parser.add_argument(
+        "--replay",
+        type=int,
+        metavar="PROMPTS",
+        help="the text model of real answers: PROMPTS MT-Bench answers generated on the CPU (cached), "
+        "their n-gram match lengths position by position (`replay_matches`)",
+    )
+    parser.add_argument(
+        "--per-verify",
+        action="store_true",
+        help="acceptance counted per verify (the engine before it counted n-gram drafting per token)",
+    )
+    parser.add_argument(
         "--switch-settles",
         action="store_true",
         help="with --run twelfth: a switch between chain tiers settles the run in flight and sets up a "
@@ -788,6 +857,8 @@ def main() -> int:
         bursty,
         args.flat_context,
         args.switch_settles,
+        replay_matches(args.replay, args.tokens) if args.replay else None,
+        args.per_verify,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     statics = (OFF, *(Tier.chain(c) for c in CHAINS))
