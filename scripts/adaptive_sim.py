@@ -394,7 +394,9 @@ class Clock:
         switch_settles: bool = False,
         replay: list[list[int | None]] | None = None,
         per_verify: bool = False,
+        no_shadows: bool = False,
     ) -> None:
+        self.no_shadows = no_shadows  # `--no-shadows`: the policy learns nothing while off but from probes
         # `--replay`: per request, the match lengths of real answers (`replay_matches`)
         self.replay = replay
         # `--per-verify`: acceptance counted per verify, as before the engine counted n-gram's per token
@@ -572,12 +574,15 @@ def run(
         made[req.request_id] = req.num_output = 1
     total, seconds = batch, ms * MS
     looped: tuple[Tier, int] | None = None  # the loop run before: its tier and rows (a run resumes it)
+    shadows = Shadows(adaptive, clock) if static is None else None
     while reqs:
         # step-to-step noise of the wall clock (host jitter), the same sequence for every system
         jitter = math.exp(clock.jitter * noise.gauss(0.0, 1.0) - clock.jitter**2 / 2)
         if static is None:
+            shadows.score(reqs, made)
             settings = adaptive.decide(reqs)
             tier = adaptive.tier
+            shadows.start(reqs, made, tier.off)
         else:
             tier = static
             adaptive.tier, adaptive._steps = tier, dict.fromkeys((r.request_id for r in reqs), tier.num_steps)
@@ -663,6 +668,43 @@ def run(
     if static is None and hasattr(adaptive, "idle"):
         adaptive.idle()
     return total / seconds, (accepted_drafts + verifies) / verifies if verifies else 0.0
+
+
+class Shadows:
+    """The engine's shadow drafts while off (`specserve/spec/shadow.py`): each step up to
+    `shadow_lookups` requests without one (round-robin) get a lookup of the deepest chain anchored
+    at their known tokens, scored once the tokens that decide it are known (a miss, or every draft
+    right). Without them the simulated policy learnt nothing while off but from probes."""
+
+    def __init__(self, adaptive: AdaptiveSpeculation, clock: Clock) -> None:
+        self.adaptive, self.clock = adaptive, clock
+        self.depth = max(t.num_steps for t in adaptive.tiers if not t.off)
+        self.lookups = adaptive._shadow_lookups if not clock.no_shadows else 0
+        self.open: dict[str, tuple[int, int]] = {}  # request id -> (decided at output, accepted)
+        self.turn = 0
+
+    def score(self, reqs: list[SimpleNamespace], made: dict[str, int]) -> None:
+        for req in reqs:
+            decided = self.open.get(req.request_id)
+            if decided is not None and made[req.request_id] >= decided[0]:
+                del self.open[req.request_id]
+                self.adaptive.acceptance.observe(
+                    req.request_id, 1, self.depth, decided[1], len(reqs), shadow=True
+                )
+
+    def start(self, reqs: list[SimpleNamespace], made: dict[str, int], off: bool) -> None:
+        if not off or self.adaptive.policy.hopeless or not self.lookups:
+            self.open.clear()
+            return
+        idle = [r for r in reqs if r.request_id not in self.open]
+        if not idle:
+            return
+        first = self.turn % len(idle)
+        self.turn += 1
+        for req in (idle[first:] + idle[:first])[: self.lookups]:
+            at = made[req.request_id]
+            accepted = self.clock.accepted(req, self.depth, at) or 0
+            self.open[req.request_id] = (at + min(accepted + 1, self.depth), accepted)
 
 
 SETTINGS: dict = {}  # adaptive settings beyond the defaults (`--setting`)
@@ -822,6 +864,11 @@ def main() -> int:
         "their n-gram match lengths position by position (`replay_matches`)",
     )
     parser.add_argument(
+        "--no-shadows",
+        action="store_true",
+        help="no shadow drafts while off (as this simulator ran before it had them)",
+    )
+    parser.add_argument(
         "--per-verify",
         action="store_true",
         help="acceptance counted per verify (the engine before it counted n-gram drafting per token)",
@@ -859,6 +906,7 @@ def main() -> int:
         args.switch_settles,
         replay_matches(args.replay, args.tokens) if args.replay else None,
         args.per_verify,
+        args.no_shadows,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     statics = (OFF, *(Tier.chain(c) for c in CHAINS))
