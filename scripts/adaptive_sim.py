@@ -16,7 +16,8 @@ fitted to the H100's accept lengths, `ACCEPT`), each position drawn on its own. 
 it from real text instead: N greedy MT-Bench answers of the default model, generated on the CPU once
 (cached), and what an n-gram lookup gets right at each of their positions. Real text comes in
 stretches, which the drawn models lack; the engine counts n-gram acceptance per token for that
-(`AcceptanceTracker.per_token`), and so does the policy here (`--per-verify`: as before). `--run` picks the H100 run that clocks the steps
+(`AcceptanceTracker.per_token`), and so does the policy here (`--per-verify`: as before). While off
+the policy scores shadow drafts as the engine's does (`Shadows`; `--no-shadows`: as before). `--run` picks the H100 run that clocks the steps
 (`sixth`, the default: the sixth session's run, whose cost tables were 1.5-3x off; `latest`: the
 fifth session's run after its cost-model fix; `first`: the one before, whose plain rows ran steadier;
 `twelfth`, issue 9's twelfth H100 run (the eleventh session's first, docs/benchmarks.md): chain tiers
