@@ -13,11 +13,13 @@ and leaves, so the batch thins in the tail; of `--repeats` runs the faster count
 
 Acceptance is n-gram-like, bimodal (a short or a long match, or none), per request (`TEXT`: classes
 fitted to the H100's accept lengths, `ACCEPT`), each position drawn on its own. `--replay N` takes
-it from real text instead: N greedy MT-Bench answers of the default model, generated on the CPU once
-(cached), and what an n-gram lookup gets right at each of their positions. Real text comes in
+it from real text instead: the default model's greedy answers to the workload's first N prompts
+(MT-Bench, or `mixed`'s), generated on the CPU once (cached), and what an n-gram lookup gets right
+at each of their positions. Real text comes in
 stretches, which the drawn models lack; the engine counts n-gram acceptance per token for that
 (`AcceptanceTracker.per_token`), and so does the policy here (`--per-verify`: as before). While off
-the policy scores shadow drafts as the engine's does (`Shadows`; `--no-shadows`: as before). `--run` picks the H100 run that clocks the steps
+the policy scores shadow drafts as the engine's does (`Shadows`; `--no-shadows`: as before).
+`--run` picks the H100 run that clocks the steps
 (`sixth`, the default: the sixth session's run, whose cost tables were 1.5-3x off; `latest`: the
 fifth session's run after its cost-model fix; `first`: the one before, whose plain rows ran steadier;
 `twelfth`, issue 9's twelfth H100 run (the eleventh session's first, docs/benchmarks.md): chain tiers
@@ -773,8 +775,8 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     return adaptive
 
 
-def replay_matches(prompts: int, tokens: int) -> list[list[int | None]]:
-    """Per MT-Bench answer (greedy SmolLM2-135M-Instruct on the CPU, the first `prompts` prompts,
+def replay_matches(dataset: str, prompts: int, tokens: int) -> list[list[int | None]]:
+    """Per answer to `dataset`'s prompts (greedy SmolLM2-135M-Instruct on the CPU, the first `prompts`,
     `tokens` tokens, EOS ignored), per output position the drafts an n-gram lookup there
     (`NgramDrafter` with the engine's match lengths) gets right, None where it finds nothing. Real
     text comes in stretches: a long match runs on through a repeated passage, none outside one
@@ -785,15 +787,14 @@ def replay_matches(prompts: int, tokens: int) -> list[list[int | None]]:
     from specserve.bench_data import prompt_texts
     from specserve.spec.ngram import NgramDrafter
 
-    cache = Path.home() / ".cache" / "specserve" / "sim" / f"replay-{prompts}x{tokens}.json"
+    name = "replay" if dataset == "mt-bench" else f"replay-{dataset}"
+    cache = Path.home() / ".cache" / "specserve" / "sim" / f"{name}-{prompts}x{tokens}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     config = SpeculativeConfig(method="ngram")
     lookup = NgramDrafter(config.ngram_min_match, config.ngram_max_match)
     llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32")
-    chats = [
-        llm._chat_ids([{"role": "user", "content": t}]) for t in prompt_texts("mt-bench", seed=0)[:prompts]
-    ]
+    chats = [llm._chat_ids([{"role": "user", "content": t}]) for t in prompt_texts(dataset, seed=0)[:prompts]]
     outs = llm.generate(chats, SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True))
     matches = []
     for prompt, out in zip(chats, outs, strict=True):
@@ -861,8 +862,9 @@ def main() -> int:
         "--replay",
         type=int,
         metavar="PROMPTS",
-        help="the text model of real answers: PROMPTS MT-Bench answers generated on the CPU (cached), "
-        "their n-gram match lengths position by position (`replay_matches`)",
+        help="the text model of real answers: the workload's first PROMPTS prompts (MT-Bench, or mixed: "
+        "`specserve.bench_data`) answered on the CPU (cached), their n-gram match lengths position by "
+        "position (`replay_matches`)",
     )
     parser.add_argument(
         "--no-shadows",
@@ -905,7 +907,7 @@ def main() -> int:
         bursty,
         args.flat_context,
         args.switch_settles,
-        replay_matches(args.replay, args.tokens) if args.replay else None,
+        replay_matches(args.workload, args.replay, args.tokens) if args.replay else None,
         args.per_verify,
         args.no_shadows,
     )
