@@ -63,6 +63,7 @@ from specserve.spec.drafter import Drafter, TargetFeed
 from specserve.spec.head_drafter import HeadDrafter
 from specserve.spec.ngram import NgramDrafter
 from specserve.spec.standalone import StandaloneDrafter
+from specserve.spec.tree_graphs import TreeShape
 from specserve.spec.tree_verify import verify_trees
 from specserve.spec.verify import verify_chains, verify_greedy_chains
 from specserve.types import RequestOutput, SamplingParams
@@ -123,7 +124,8 @@ class Engine:
         if buckets is not None and isinstance(self.drafter, HeadDrafter) and draft_graphs_enabled():
             chain, depth = _draft_depths(config.speculative)
             prefill = tuple(buckets.prefill_shapes())
-            self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len, prefill)
+            trees = _tree_shapes(config.speculative)
+            self.drafter.use_graphs(buckets.batch_sizes, chain, depth, self.max_model_len, prefill, trees)
         single_rank = self.tp.size == 1 and self.states is None
         if self.drafter is None:
             self.device_loops, self._loop_steps = make_plain_loop(
@@ -1186,6 +1188,14 @@ def _draft_depths(spec: SpeculativeConfig) -> tuple[int, int]:
     tiers = configured_tiers(spec) if spec.adaptive is not None else ()
     shapes = [(spec.num_steps, spec.topk), *((t.num_steps, t.topk) for t in tiers if not t.off)]
     return max((n for n, k in shapes if k == 1), default=0), max(n for n, _ in shapes)
+
+
+def _tree_shapes(spec: SpeculativeConfig) -> tuple[TreeShape, ...]:
+    """The tree shapes (depth, topk, nodes) `spec` may run, for the drafter's tree graphs."""
+    tiers = configured_tiers(spec) if spec.adaptive is not None else ()
+    shapes = [(spec.num_steps, spec.topk, spec.draft_tokens)]
+    shapes += [(t.num_steps, t.topk, t.num_draft_tokens) for t in tiers if not t.off]
+    return tuple(sorted({TreeShape(*shape) for shape in shapes if shape[1] > 1}))
 
 
 def _configured_settings(config: EngineConfig) -> SpecSettings:

@@ -238,7 +238,7 @@ class DraftGraphs:
         batch = self.shapes.batch(n)
         bucket = self.chain[batch]
         ends = [p + s + 1 for p, s in zip(positions, steps, strict=True)]
-        table = _page_table(reqs, ends, self.page_size, batch)
+        table = page_table_of(reqs, ends, self.page_size, batch)
         head = np.zeros((3, batch), dtype=np.int64)
         on_device = isinstance(tokens, torch.Tensor)
         head[1, :n], head[2, :n] = positions, steps
@@ -399,7 +399,7 @@ class DraftGraphs:
         torch.cuda.synchronize()
 
 
-def _page_table(reqs: Sequence[Request], ends: Sequence[int], page_size: int, batch: int) -> np.ndarray:
+def page_table_of(reqs: Sequence[Request], ends: Sequence[int], page_size: int, batch: int) -> np.ndarray:
     """[batch, pages] pages of each request up to position `ends[i]` (exclusive); pad rows all zero
     (the dummy page)."""
     widths = [-(-e // page_size) for e in ends]

@@ -59,7 +59,8 @@ from specserve.engine.step_input import build_draft_input, build_forest_input
 from specserve.model.draft_heads import DraftHead
 from specserve.spec.draft_graphs import DeviceTokens, DraftGraphs, DraftGraphShapes
 from specserve.spec.drafter import Drafter, TargetFeed, greedy_drafts
-from specserve.spec.tree import Expansion, TreeSearch, tree_feed
+from specserve.spec.tree import DraftTree, Expansion, TreeSearch, tree_feed
+from specserve.spec.tree_graphs import TreeGraphs, TreeShape
 
 # Positions of target features a request keeps while nothing drafts, before the head extends over them.
 MAX_BACKLOG = 32
@@ -122,6 +123,7 @@ class HeadDrafter(Drafter):
         self.kv_cache = KVCache.allocate(head.spec.arch, num_pages, page_size, self.dtype, self.device)
         self.backend = backend
         self.graphs: DraftGraphs | None = None  # CUDA graphs of the chain and the extend (`use_graphs`)
+        self.tree_graphs: TreeGraphs | None = None  # and of tree searches
 
     def use_graphs(
         self,
@@ -130,17 +132,23 @@ class HeadDrafter(Drafter):
         depth: int,
         max_seq_len: int,
         prefill: tuple[tuple[int, int], ...] = (),
+        trees: tuple[TreeShape, ...] = (),
     ) -> None:
         """Draft through CUDA graphs (captured now on CUDA; the same static buffers run eagerly on
         the CPU): chains of up to `chain_steps` drafts (0: no chain graphs) and extends over up to
         `depth` + 1 tokens (an accepted chain or tree path and its bonus token), for batches up to
         the largest of `batch_sizes`; `prefill`: the target's prefill buckets (batch, query len),
-        whose prompts the head extends over next."""
+        whose prompts the head extends over next; `trees`: the tree shapes searched on the device
+        (a head of one step module only; specserve/spec/tree_graphs.py)."""
         first = self.head.spec
         fc = getattr(self.head.step_modules[0], "fc", None)
         features = fc.in_features if first.method == "eagle3" else first.arch.hidden_size
         shapes = DraftGraphShapes(batch_sizes, max(chain_steps - 1, 0), (depth + 1,), tuple(prefill))
         self.graphs = DraftGraphs(self.head, self.backend, self.kv_cache, shapes, max_seq_len, features)
+        if trees and self.num_modules == 1:
+            self.tree_graphs = TreeGraphs(
+                self.head, self.backend, self.kv_cache, batch_sizes, trees, max_seq_len
+            )
 
     # ---- draft extend ----------------------------------------------------------------------
 
@@ -376,6 +384,34 @@ class HeadDrafter(Drafter):
         active = [(r, d) for r, d in zip(reqs, depths, strict=True) if d > 0 and has_seed(r)]
         if not active:
             return
+        trees = self._graph_trees(active, topk, num_nodes)
+        if trees is None:
+            trees = self._host_trees(active, topk, num_nodes)
+        for (req, _), tree in zip(active, trees, strict=True):
+            req.draft, req.draft_tree = list(tree.tokens) if tree else [], tree
+
+    def _graph_trees(
+        self, active: list[tuple[Request, int]], topk: int, num_nodes: int
+    ) -> list[DraftTree | None] | None:
+        """The trees searched on the device in one graph replay (None: no graph fits)."""
+        graphs = self.tree_graphs
+        key = graphs.pick(len(active), max(d for _, d in active), topk, num_nodes) if graphs else None
+        if key is None:
+            return None
+        states: list[HeadState] = [r.draft_state for r, _ in active]
+        return graphs.run(
+            [r for r, _ in active],
+            [s.logits for s in states],
+            [s.tails[0] for s in states],
+            [s.position for s in states],
+            [d for _, d in active],
+            key,
+        )
+
+    def _host_trees(
+        self, active: list[tuple[Request, int]], topk: int, num_nodes: int
+    ) -> list[DraftTree | None]:
+        """EAGLE-2's search on the host (`TreeSearch`), a head forward a step."""
         search = TreeSearch(
             [r for r, _ in active],
             [d for _, d in active],
@@ -404,8 +440,7 @@ class HeadDrafter(Drafter):
         while len(where := search.frontier(step)):
             search.expand(where, self._tree_step(search, where, step, bank, rows))
             step += 1
-        for (req, _), tree in zip(active, search.trees(), strict=True):
-            req.draft, req.draft_tree = list(tree.tokens) if tree else [], tree
+        return search.trees()
 
     def _tree_step(
         self,
