@@ -53,13 +53,17 @@ def _race_slices_kernel(
     chunk,
     SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_DROP: tl.constexpr,
 ):
     """Program (row, slice): the best score and its id over ids [slice * chunk, + chunk), of the
     residual (the dropped id scored 0) and of p itself, at [row, slice, 0 / 1]."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
     key = tl.load(keys_ptr + row)
-    drop = tl.load(drop_ptr + row)
+    if HAS_DROP:
+        drop = tl.load(drop_ptr + row)
+    else:  # no row drops a token: nothing to read (no -1 tensor filled for it either)
+        drop = tl.full((), -1, tl.int64)
     best_res = tl.full((), -1.0, tl.float64)
     best_all = tl.full((), -1.0, tl.float64)
     arg_res = tl.full((), 0, tl.int64)
@@ -118,15 +122,24 @@ def race_draw(
     out = torch.empty(rows, dtype=torch.int64, device=probs.device)
     if not rows:
         return out
-    if drop is None:
-        drop = torch.full((rows,), -1, dtype=torch.int64, device=probs.device)
     splits = max(1, min(MAX_SPLITS, 128 // rows, triton.cdiv(vocab, block)))
     chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
     splits = triton.cdiv(vocab, chunk)
     best = torch.empty(rows * splits * 2, dtype=torch.float64, device=probs.device)
     args = torch.empty(rows * splits * 2, dtype=torch.int64, device=probs.device)
     _race_slices_kernel[(rows, splits)](
-        probs, keys, drop, best, args, vocab, probs.stride(0), chunk, SPLITS=splits, BLOCK=block, num_warps=4
+        probs,
+        keys,
+        keys if drop is None else drop,  # not read without a drop
+        best,
+        args,
+        vocab,
+        probs.stride(0),
+        chunk,
+        SPLITS=splits,
+        BLOCK=block,
+        HAS_DROP=drop is not None,
+        num_warps=4,
     )
     _race_pick_kernel[(rows,)](best, args, out, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)))
     return out

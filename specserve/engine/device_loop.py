@@ -353,10 +353,11 @@ class DeviceLoop:
             self._setup(reqs, limits, stop_ids, batch)
             if not self.flags.all_greedy:  # greedy runs never read them
                 self.state.sampling.write(reqs, batch)
-            if self.state.logprobs is not None:
-                self.state.logprob_rows.write(reqs, self.state.logprobs.slots)
         self.state.owner = self
         shape, k = self.state.logprobs, self.query_len
+        asking = asking_rows(reqs) if shape is not None else ()
+        if shape is not None and not resume:
+            self.state.logprob_rows.write(reqs, asking, shape.slots)
         width = k + 2 + (0 if shape is None else k * shape.width)
         out = torch.empty(iterations, batch, width, dtype=torch.int64, device=self.hist.device)
         graph = self._graph(batch)
@@ -369,8 +370,7 @@ class DeviceLoop:
             if shape is not None:
                 slots = shape.slots
                 out[step, :slots, k + 2 :].copy_(self.state.logprob_rows.records[:slots, : k * shape.width])
-        slots = asking_rows(reqs) if shape is not None else ()
-        return self._to_host(out[:, :n], shape, slots)
+        return self._to_host(out[:, :n], shape, asking)
 
     def collect(self, records: LoopRecords) -> LoopOutput:
         """A launch's records on the host (the one wait for the device, for that launch's steps

@@ -156,9 +156,8 @@ class Engine:
             self.adaptive.overlapped_off = self._overlap_off and 0 not in self.device_loops
             self.adaptive.looped_chains = frozenset(self.device_loops)
             self.adaptive.shapes = verify_shapes(buckets)
+            self.adaptive.acceptance.per_token = self.drafter.acceptance_in_stretches
             if isinstance(self.drafter, NgramDrafter):
-                # Its acceptance comes in stretches: verifies counted by their tokens (acceptance.py).
-                self.adaptive.acceptance.per_token = True
                 self.adaptive.use_shadow(self.drafter.lookup)  # a host lookup: scored while off, for free
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step

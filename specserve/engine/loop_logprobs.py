@@ -84,10 +84,11 @@ class LoopLogprobs:
         widest = LogprobShape(LOOP_MAX_LOGPROBS, LOOP_MAX_LOGPROBS).width
         self.records = torch.zeros(batch, rows * widest, dtype=torch.int64, device=device)
 
-    def write(self, reqs: list[Request], slots: int) -> None:
-        """The slots of a run over `reqs` (`asking_rows`; pad slots record row 0, unread), one copy."""
+    def write(self, reqs: list[Request], asking: tuple[int, ...], slots: int) -> None:
+        """The `slots` slots of a run over `reqs` (`asking`: its `asking_rows`; pad slots record row
+        0, unread), one copy."""
         packed = np.zeros((slots, 1 + LOOP_MAX_LOGPROBS), dtype=np.int64)
-        for slot, row in enumerate(asking_rows(reqs)[:slots]):
+        for slot, row in enumerate(asking[:slots]):
             named = reqs[row].params.token_ids_logprob or ()
             packed[slot, 0] = row
             packed[slot, 1 : 1 + len(named)] = named

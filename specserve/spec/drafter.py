@@ -44,6 +44,9 @@ class Drafter:
     # Target features read after each forward: None = none; () = final hidden states;
     # (i, ...) = the residual stream after those target layers.
     capture: tuple[int, ...] | None = None
+    # Acceptance that comes in stretches (a lookup's copies): adaptive speculation counts each
+    # verify by the tokens it emitted (`AcceptanceTracker.per_token`, specserve/spec/acceptance.py).
+    acceptance_in_stretches = False
 
     def draft(self, reqs: list[Request], budgets: list[int]) -> None:
         raise NotImplementedError

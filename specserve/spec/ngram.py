@@ -37,6 +37,8 @@ PRESCAN_CANDIDATES = 8
 
 
 class NgramDrafter(Drafter):
+    acceptance_in_stretches = True  # a continuation copied while it lasts, then misses
+
     def __init__(self, min_match: int, max_match: int) -> None:
         self.min_match, self.max_match = min_match, max_match
         self._back = np.arange(max_match, dtype=np.int64)  # offsets back from a match's end
