@@ -16,7 +16,7 @@ import torch
 
 from specserve.engine.request import Request
 from specserve.engine.sampler import SamplingBatch, filtered_probs, uniform_noise
-from specserve.spec.tree import TREE_DRAFT_SALT, DraftTree, build_tree
+from specserve.spec.tree import TREE_DRAFT_SALT, DraftTree, build_tree, top_logprobs
 
 
 @dataclass
@@ -105,9 +105,8 @@ class RefTreeSearch:
     def _candidates(self, where: RefExpansion, logits: torch.Tensor):
         k = min(self.topk, logits.shape[1])
         reqs = [self.reqs[b] for b in where.request]
-        logp = torch.log_softmax(logits.float(), dim=-1)
         if all(r.params.greedy for r in reqs):
-            scores, ids = logp.topk(k, dim=-1)
+            scores, ids = top_logprobs(logits, k)  # the search's primitive (ties ordered alike)
             return self.to_target_ids(ids).tolist(), scores.tolist(), None
         counters = [
             r.num_output + self._depth(b, n) for r, b, n in zip(reqs, where.request, where.node, strict=True)
@@ -124,7 +123,7 @@ class RefTreeSearch:
         race_keys, race_ids = keys.topk(k, dim=-1)
         race_scores = torch.where(race_keys > 0, q.gather(1, race_ids).log(), float("-inf"))
         greedy = (batch.temperature <= 0)[:, None]
-        top_scores, top_ids = logp.topk(k, dim=-1)
+        top_scores, top_ids = top_logprobs(logits, k)
         ids = torch.where(greedy, top_ids, race_ids)
         scores = torch.where(greedy, top_scores, race_scores)
         return self.to_target_ids(ids).tolist(), scores.tolist(), self.to_target_probs(q, self.vocab)

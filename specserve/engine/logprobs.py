@@ -17,6 +17,7 @@ from specserve.engine.host_copy import to_device
 from specserve.engine.request import LogprobRecord
 from specserve.engine.scheduler import ScheduledItem
 from specserve.engine.step_input import StepInput
+from specserve_kernels.top_logits import row_top_logits
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,11 @@ def logprob_columns(
     """Per row of fp32 `logits` [R, V]: the logprob of `targets` [R], the top `top_k` logprobs and
     their ids [R, top_k], and the logprobs of `ids` [R, C]. The device loop's records take the same
     arithmetic, so its logprobs are the synchronous path's to the bit. No [R, V] log-softmax is
-    stored: each column is its logit less the row's log-sum-exp."""
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    stored: each column is its logit less the row's log-sum-exp (`row_top_logits`: the top k and
+    the log-sum-exp in one kernel pair on the GPU; ties to the lower id)."""
+    lse, top_values, top_ids = row_top_logits(logits, top_k)  # two launches on the GPU
+    lse = lse[:, None]
     own = logits.gather(1, targets.view(-1, 1)) - lse
-    top_values, top_ids = logits.topk(top_k, dim=-1)
     return own[:, 0], top_values - lse, top_ids, logits.gather(1, ids) - lse
 
 

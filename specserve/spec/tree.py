@@ -35,6 +35,7 @@ import torch
 from specserve.engine.host_copy import to_device
 from specserve.engine.request import Request
 from specserve.engine.sampler import SamplingBatch, filtered_probs, uniform_noise_host
+from specserve_kernels.top_logits import row_top_logits
 
 TREE_DRAFT_SALT = 3  # the noise stream tree drafters sample children with (verify uses 0 and 1)
 
@@ -242,7 +243,7 @@ class TreeSearch:
 
     def _top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest tokens (target ids) and their log-probabilities."""
-        scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        scores, ids = top_logprobs(logits, k)
         return self.to_target_ids(ids), scores
 
     def _race(
@@ -347,6 +348,14 @@ class TreeSearch:
         for b, piece in zip(sampling.tolist(), out.split((sizes[sampling] + 1).tolist()), strict=True):
             per_request[b] = piece
         return per_request
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k likeliest draft tokens' log-probabilities (descending, ties to the lower id on
+    the GPU) and ids: each logit less the row's log-sum-exp, no [R, V] log-softmax (the host search
+    and the tree graphs alike, so their trees agree on one device)."""
+    lse, top, ids = row_top_logits(logits, k)
+    return top - lse[:, None], ids
 
 
 def _to_host(ids: torch.Tensor, scores: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,7 @@ from specserve.engine.request import Request
 from specserve.executor.cuda_graphs import capture
 from specserve.model.draft_heads import DraftHead
 from specserve.spec.draft_graphs import page_table_of
-from specserve.spec.tree import DraftTree
+from specserve.spec.tree import DraftTree, top_logprobs
 
 
 @dataclass(frozen=True, order=True)
@@ -227,7 +227,7 @@ class TreeGraphs:
 
     def _top(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest draft tokens (target ids) and their log-probabilities (`TreeSearch._top`)."""
-        scores, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        scores, ids = top_logprobs(logits, k)
         return scores, self.head.to_target_ids(ids)
 
     def _feed(
