@@ -8,12 +8,12 @@ import torch
 
 from specserve_kernels.top_logits import MAX_K, top_logits, top_logits_ref
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The kernel runs on the GPU, or on the CPU under the Triton interpreter where there is none.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("rows", "vocab", "k"), [(1, 96, 1), (3, 1000, 8), (2, 9000, 5), (5, 4096, 32)])
-def test_top_logits_equal_the_reference(device, rows, vocab, k):
+def test_top_logits_equal_the_reference(rows, vocab, k, device=DEVICE):
     gen = torch.Generator().manual_seed(rows * vocab + k)
     logits = (torch.randn(rows, vocab, generator=gen) * 4).to(device)
     lse, top, ids = top_logits(logits, k)
@@ -22,8 +22,7 @@ def test_top_logits_equal_the_reference(device, rows, vocab, k):
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_ties_go_to_the_lower_id_and_masked_entries_last(device):
+def test_ties_go_to_the_lower_id_and_masked_entries_last(device=DEVICE):
     """Integer logits tie a lot (as bf16 logits do): the order is a stable sort's, across slices;
     -inf entries come only after every finite one, and a bf16 row reads as its fp32 values."""
     gen = torch.Generator().manual_seed(0)
