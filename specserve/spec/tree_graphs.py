@@ -81,7 +81,9 @@ class TreeShape:
 class _TreeBucket:
     """The static inputs of one (batch, shape) graph, its constants, and its packed output."""
 
-    def __init__(self, batch: int, shape: TreeShape, vocab: int, hidden: int, dtype, device) -> None:
+    def __init__(
+        self, batch: int, shape: TreeShape, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         k = shape.topk
         self.batch, self.shape = batch, shape
         self.head = torch.zeros(2 * batch, dtype=torch.int64, device=device)
@@ -106,7 +108,7 @@ class _TreeBucket:
 
 
 class TreeGraphs:
-    """Tree graphs of a one-module head per (batch bucket, shape); `fits` and `run`."""
+    """Tree graphs of a one-module head per (batch bucket, shape): `pick` a bucket, `run` it."""
 
     def __init__(
         self,
