@@ -52,13 +52,14 @@ prompts where its few steps cost ~1.9 (fourteenth session), and it never ran. Wh
 width gets the least it could make it: past the one width measured, that width's gap (all fixed);
 a chain below the narrowest, in proportion (all per row). A tier priced too dear is never run to
 correct it, while one priced too cheap is run, measured, and priced by the fit through its own
-width. Plain decoding in the loop (width 1) below the narrowest costs that width's gap (all per
-request): it has no rows to save, and reads the contexts a chain's step reads. On the H200
-(twenty-ninth session, mixed prompts, batch 64, `scripts/trace_steps.py`) plain loop iterations cost
-1.83-2.00 ms over contexts of 420-470 tokens and the 1-chain's 1.59-1.95 over 380-610; priced at
-half the 1-chain's gap, plain decoding scored 50k tok/s against every chain's 35-37k, and the
-policy went off for 11 engine steps of a batch of 64 (88 loop iterations) where the static 2-chain
-made 1.7 tokens a verify at the same cost.
+width. Plain decoding in the loop (width 1), never measured there, costs the narrowest width's gap
+(all per request): it has no rows to save, and reads the contexts a chain's step reads (on the
+H200, twenty-ninth session, mixed prompts at batch 64: plain loop iterations 1.83-2.00 ms over
+contexts of 420-470 tokens, the 1-chain's 1.59-1.95 over 380-610). A width measured only at other
+batches keeps the nearest batch's gap, as above; at batch 64 that priced plain decoding by its
+batch-16 gap beside chains measured at 64, which is how the policy went off for 11 engine steps
+of a batch of 64 where the static 2-chain made 1.7 tokens a verify at the same cost (not yet
+corrected: docs/benchmarks.md, twenty-ninth session).
 At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
 order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
 early in a batch was priced above a wider one measured over most of it, and a wider one below a
