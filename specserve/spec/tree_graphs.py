@@ -202,6 +202,7 @@ class TreeGraphs:
         fed = torch.zeros(batch, shape.fed, dtype=torch.int64, device=device)
         hidden = b.tail.new_zeros(batch, shape.fed, b.tail.shape[-1])
         mask = torch.zeros(batch, shape.fed, shape.fed, dtype=torch.bool, device=device)
+        slots, positions = self._layout(b) if shape.fed else (None, None)
         outputs = None
         for s in range(1, shape.depth):
             lo, r0, r1 = shape.level(s), (s - 1) * k, s * k
@@ -217,7 +218,8 @@ class TreeGraphs:
                 hidden[:, r0:r1] = outputs.gather(1, up[..., None].expand(-1, -1, hidden.shape[-1]))
                 mask[:, r0:r1] = mask.gather(1, up[..., None].expand(-1, -1, shape.fed))
             mask[:, r0:r1, r0:r1] |= b.eye
-            outputs, logits = self._feed(b, s, token.gather(1, fed[:, :r1]), fed[:, :r1],
+            live_slots = torch.where(live, slots[:, :r1], DUMMY_PAGE * self.page_size)
+            outputs, logits = self._feed(b, s, token.gather(1, fed[:, :r1]), live_slots, positions[:, :r1],
                                          hidden[:, :r1], mask[:, :r1, :r1])  # fmt: skip
             child_scores, child_ids = self._top(logits, k)
             new = slice(shape.level(s + 1), shape.level(s + 1) + k * k)
@@ -232,31 +234,51 @@ class TreeGraphs:
         scores, ids = top_logprobs(logits, k)
         return scores, self.head.to_target_ids(ids)
 
+    def _layout(self, b: _TreeBucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every fed row's KV slot and position [batch, fed], computed once a search: row j of a
+        request is written at context slot root + j (past its page table: the dummy slot) and feeds
+        a node of depth j // k + 1, at position root - 1 + that depth."""
+        ps, table = self.page_size, self.page_table[: b.batch]
+        context = b.base[:, None] + b.rows[: b.shape.fed]
+        page = table.gather(1, (context // ps).clamp(max=table.shape[1] - 1))
+        inside = context < table.shape[1] * ps
+        slots = torch.where(inside, page * ps + context % ps, DUMMY_PAGE * ps)
+        return slots, b.base[:, None] + b.rows[: b.shape.fed] // b.shape.topk
+
     def _feed(
         self,
         b: _TreeBucket,
         step: int,
         ids: torch.Tensor,
-        fed: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
         hidden: torch.Tensor,
         mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over the fed nodes [batch, rows]: its outputs [batch, rows, H], and the draft
-        logits of the newest k rows (step `step`'s frontier) [batch * k, V_draft]."""
-        batch, rows = fed.shape
-        ps, table = self.page_size, self.page_table[:batch]
-        context = b.base[:, None] + b.rows[:rows]
-        page = table.gather(1, (context // ps).clamp(max=table.shape[1] - 1))
-        live = (b.depth > step)[:, None] & (context < table.shape[1] * ps)
-        slots = torch.where(live, page * ps + context % ps, DUMMY_PAGE * ps)
+        """The head over the fed nodes [batch, rows] (written at `slots`, the dummy slot for requests
+        past their depth): its outputs [batch, rows, H], and the draft logits of the newest k rows
+        (step `step`'s frontier) [batch * k, V_draft]."""
+        batch, rows = ids.shape
+        table = self.page_table[:batch]
         seq_lens = torch.where(b.depth > step, b.base + rows, rows)
-        positions = b.base[:, None] - 1 + b.node_depth[fed]
         attention = AttentionBatch(
-            b.query_start[step], seq_lens, slots.view(-1), table, ps, rows, self.max_seq_len, mask
+            b.query_start[step],
+            seq_lens,
+            slots.reshape(-1),
+            table,
+            self.page_size,
+            rows,
+            self.max_seq_len,
+            mask,
         )
         ctx = self.backend.prepare(attention, self.kv_cache)
         out, to_logits = self.head.run(
-            0, ids.view(-1), hidden.reshape(batch * rows, -1), positions.view(-1), ctx, from_target=False
+            0,
+            ids.reshape(-1),
+            hidden.reshape(batch * rows, -1),
+            positions.reshape(-1),
+            ctx,
+            from_target=False,
         )
         newest = to_logits.view(batch, rows, -1)[:, rows - b.shape.topk :]
         return out.view(batch, rows, -1), self.head.logits(0, newest.reshape(batch * b.shape.topk, -1))
