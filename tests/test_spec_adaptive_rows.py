@@ -154,10 +154,6 @@ def test_a_loop_step_s_gap_is_priced_per_context_token_by_width():
         assert costs.estimate(VERIFY, 64, q) == pytest.approx(_profile(64, q) + _gap(q, 2 * tokens))
     # narrower than both: the least it could cost, in proportion to the narrowest (all per row)
     assert costs.estimate(VERIFY, 64, 2) == pytest.approx(_profile(64, 2) + _gap(3, 2 * tokens) * 2 / 3)
-    # but plain decoding in the loop, never measured, has no rows to save: the narrowest's gap, all
-    # per request (on the H200 its iterations cost what the 1-chain's did, twenty-ninth session)
-    costs.profile(VERIFY, [(64, 1)], _profile)
-    assert costs.estimate(VERIFY, 64, 1) == pytest.approx(_profile(64, 1) + _gap(3, 2 * tokens))
     # a synchronous step's gap (host work per request) stays one per batch, whatever the width
     sync = StepCosts()
     sync.profile(VERIFY, [(64, q) for q in (3, 9)], lambda b, q: 1e-3)

@@ -50,16 +50,13 @@ query row. That split differs by device and text: on the H100 (eleventh session,
 once for all its rows); charged per row from the 1-chain, the 2-chain was priced 2.4 ms on mixed
 prompts where its few steps cost ~1.9 (fourteenth session), and it never ran. Where the measured widths do not settle the split, a
 width gets the least it could make it: past the one width measured, that width's gap (all fixed);
-a chain below the narrowest, in proportion (all per row). A tier priced too dear is never run to
-correct it, while one priced too cheap is run, measured, and priced by the fit through its own
-width. Plain decoding in the loop (width 1), never measured there, costs the narrowest width's gap
-(all per request): it has no rows to save, and reads the contexts a chain's step reads (on the
-H200, twenty-ninth session, mixed prompts at batch 64: plain loop iterations 1.83-2.00 ms over
-contexts of 420-470 tokens, the 1-chain's 1.59-1.95 over 380-610). A width measured only at other
-batches keeps the nearest batch's gap, as above; at batch 64 that priced plain decoding by its
-batch-16 gap beside chains measured at 64, which is how the policy went off for 11 engine steps
-of a batch of 64 where the static 2-chain made 1.7 tokens a verify at the same cost (not yet
-corrected: docs/benchmarks.md, twenty-ninth session).
+below the narrowest, in proportion (all per row). A tier priced too dear is never run to correct
+it, while one priced too cheap is run, measured, and priced by the fit through its own width.
+A width measured only at other batches keeps the nearest batch's gap (`_clamped`). At batch 64
+that priced plain decoding by its batch-16 gap beside chains measured at 64: on the H200 (twenty-
+ninth session, mixed prompts) the policy went off for 11 engine steps of a batch of 64, where plain
+loop iterations cost 1.83-2.00 ms and the 1-chain's 1.59-1.95, and the static 2-chain made 1.7
+tokens a verify at that cost. Not corrected yet (docs/benchmarks.md, twenty-ninth session).
 At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
 order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
 early in a batch was priced above a wider one measured over most of it, and a wider one below a
@@ -292,9 +289,8 @@ class StepCosts:
         `self.context` tokens: each measured width's gap at those contexts at `batch` (linear in batch
         between the batches that measured it, past them the nearest one's), their prices made
         non-decreasing in width (`_monotone_gaps`), and between widths linear; past the widest
-        along their slope (never falling: one width alone, its gap), a chain below the narrowest
-        in proportion to the width, plain decoding (width 1) at the narrowest's gap (the module
-        docstring)."""
+        along their slope (never falling: one width alone, its gap), below the narrowest in
+        proportion to the width (the module docstring)."""
         rows = {w: row for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not rows:
             return 0.0
@@ -306,9 +302,7 @@ class StepCosts:
         }
         at = self._monotone_gaps(kind, batch, at, steps)
         narrowest = min(at)
-        if width == 1 < narrowest:  # plain decoding reads the contexts a chain's step reads
-            return at[narrowest]
-        if width < narrowest:  # a narrower chain: the least a part per request and one per row make it
+        if width < narrowest:  # the least a part per request and one per row could make it
             return at[narrowest] * width / narrowest
         return max(_interpolate(at, width, affine=True), 0.0)
 
