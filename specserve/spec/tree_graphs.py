@@ -73,10 +73,6 @@ class TreeShape:
         """The first node id of a depth."""
         return 0 if depth <= 1 else self.size(depth - 1)
 
-    def width(self) -> int:
-        """int64 columns of a request's packed tree: tokens, parents, candidates' tokens and rows."""
-        return 2 * self.kept + 2 * (self.kept + 1) * self.topk
-
 
 class _TreeBucket:
     """The static inputs of one (batch, shape) graph, its constants, and its packed output."""
@@ -190,7 +186,7 @@ class TreeGraphs:
 
     @torch.inference_mode()
     def search(self, b: _TreeBucket) -> torch.Tensor:
-        """Every request's tree, packed [batch, shape.width()] (`_trees` reads it)."""
+        """Every request's tree, packed [batch, 2 kept + 2 (kept + 1) topk]: tokens, parents, candidates' tokens and rows (`_trees` reads it)."""
         shape, batch, k = b.shape, b.batch, b.shape.topk
         device = b.logits.device
         scores, ids = self._top(b.logits, k)
