@@ -242,6 +242,43 @@ def test_a_loop_gap_measured_at_a_smaller_batch_prices_a_larger_one_at_its_own()
     assert context_tokens([_request("a"), _request("b")]) == PROMPT + 1
 
 
+def test_a_width_measured_only_at_smaller_batches_grows_as_the_widths_measured_at_this_one():
+    """The H200's trace (twenty-ninth session, mixed prompts): plain decoding's loop was measured at
+    batches 4 and 16, the chains at 64 as well. Priced at 64 by its batch-16 gap, off scored 50k tok/s
+    beside chains at 35-37k, where its iterations cost more than the 1-chain's, and the policy went
+    off. A width past its measured batches now grows as the gaps of the widths measured at both grew;
+    with none measured at both, it keeps the nearest batch's gap."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2, 3)], _flat_profile)
+    costs.context = 300.0
+    measured = {(16, 1): 0.20, (16, 2): 0.22, (16, 3): 0.25, (64, 2): 0.75, (64, 3): 0.84}
+    for (batch, width), gap in measured.items():
+        for _ in range(3):
+            costs.observe(
+                VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
+            )
+    grown = 0.20 + ((0.75 - 0.22) + (0.84 - 0.25)) / 2
+    assert costs.estimate(VERIFY, 64, 1) == pytest.approx(_flat_profile(64, 1) + grown * MS)
+    assert costs.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.75 * MS)
+    assert costs.estimate(VERIFY, 16, 1) == pytest.approx(_flat_profile(16, 1) + 0.20 * MS)
+    # between measured batches the width's own line; with no width spanning both, as it was
+    assert costs.estimate(VERIFY, 40, 2) == pytest.approx(_flat_profile(40, 2) + (0.22 + 0.53 / 2) * MS)
+    alone = StepCosts()
+    alone.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2)], _flat_profile)
+    alone.context = 300.0
+    for batch, width, gap in ((16, 1, 0.20), (64, 2, 0.75)):
+        for _ in range(3):
+            alone.observe(
+                VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
+            )
+    assert alone.estimate(VERIFY, 64, 1) == pytest.approx(_flat_profile(64, 1) + 0.20 * MS)
+
+
+def _flat_profile(batch: int, width: int) -> float:
+    """A profile that grows with the batch and the rows (seconds)."""
+    return (0.5 + 0.01 * batch + 0.02 * width) * MS
+
+
 def test_loop_runs_refine_the_price_of_the_tiers_they_ran_and_of_those_between():
     control = _control(64)
     context = 240.0

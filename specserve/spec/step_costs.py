@@ -52,11 +52,12 @@ prompts where its few steps cost ~1.9 (fourteenth session), and it never ran. Wh
 width gets the least it could make it: past the one width measured, that width's gap (all fixed);
 below the narrowest, in proportion (all per row). A tier priced too dear is never run to correct
 it, while one priced too cheap is run, measured, and priced by the fit through its own width.
-A width measured only at other batches keeps the nearest batch's gap (`_clamped`). At batch 64
-that priced plain decoding by its batch-16 gap beside chains measured at 64: on the H200 (twenty-
-ninth session, mixed prompts) the policy went off for 11 engine steps of a batch of 64, where plain
-loop iterations cost 1.83-2.00 ms and the 1-chain's 1.59-1.95, and the static 2-chain made 1.7
-tokens a verify at that cost. Not corrected yet (docs/benchmarks.md, twenty-ninth session).
+A width measured only at other batches takes the nearest batch's gap plus what the gaps of the
+widths measured both there and at this batch grew between the two (`_grown_to`); with none, the
+nearest batch's gap as it is. Kept flat, it priced plain decoding at batch 64 by its batch-16 gap
+beside chains measured at 64: on the H200 (twenty-ninth session, mixed prompts) the policy went off
+for 11 engine steps of a batch of 64, where plain loop iterations cost 1.83-2.00 ms and the
+1-chain's 1.59-1.95, and the static 2-chain made 1.7 tokens a verify at that cost.
 At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
 order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
 early in a batch was priced above a wider one measured over most of it, and a wider one below a
@@ -287,16 +288,16 @@ class StepCosts:
     def loop_gap(self, kind: str, batch: int, width: int) -> float:
         """Seconds a device-loop step of this shape takes beyond its profile over contexts of
         `self.context` tokens: each measured width's gap at those contexts at `batch` (linear in batch
-        between the batches that measured it, past them the nearest one's), their prices made
+        between the batches that measured it, past them `_grown_to`), their prices made
         non-decreasing in width (`_monotone_gaps`), and between widths linear; past the widest
         along their slope (never falling: one width alone, its gap), below the narrowest in
         proportion to the width (the module docstring)."""
         rows = {w: row for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not rows:
             return 0.0
-        at = {
-            w: _clamped({b: gap.at(self.context) for b, gap in row.items()}, batch) for w, row in rows.items()
-        }
+        at = _grown_to(
+            batch, {w: {b: gap.at(self.context) for b, gap in row.items()} for w, row in rows.items()}
+        )
         steps = {
             w: _clamped({b: float(gap.steps) for b, gap in row.items()}, batch) for w, row in rows.items()
         }
@@ -428,6 +429,29 @@ def _slope(row: dict[int, float], sizes: list[int]) -> float:
     mean_v = sum(row[b] for b in sizes) / len(sizes)
     spread = sum((b - mean_b) ** 2 for b in sizes)
     return max(sum((b - mean_b) * (row[b] - mean_v) for b in sizes) / spread, 0.0)
+
+
+def _grown_to(batch: int, gaps: dict[int, dict[int, float]]) -> dict[int, float]:
+    """Each width's gap at `batch` from its row (batch -> gap): linear between the batches that
+    measured it; past them the nearest one's, plus what the gaps of the widths measured at both that
+    batch and this one grew between them (their mean), else the nearest one's as it is. A loop gap
+    is mostly attention over the requests' contexts, read once a request whatever its rows, so it
+    grows with the batch alike for every width; kept flat, plain decoding's batch-16 gap priced it at
+    batch 64 beside chains measured there, and the policy went off (the module docstring)."""
+    spans = {w: (min(row), max(row)) for w, row in gaps.items()}
+    out = {}
+    for width, row in gaps.items():
+        lo, hi = spans[width]
+        nearest = min(max(batch, lo), hi)
+        out[width] = _interpolate(row, nearest)
+        growth = [
+            _interpolate(gaps[w], batch) - _interpolate(gaps[w], nearest)
+            for w, (a, b) in spans.items()
+            if nearest != batch and a <= min(nearest, batch) and max(nearest, batch) <= b
+        ]
+        if growth:
+            out[width] += sum(growth) / len(growth)
+    return out
 
 
 def _clamped(row: dict[int, float], batch: int) -> float:
