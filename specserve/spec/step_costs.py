@@ -57,7 +57,10 @@ widths measured both there and at this batch grew between the two (`_grown_to`);
 nearest batch's gap as it is. Kept flat, it priced plain decoding at batch 64 by its batch-16 gap
 beside chains measured at 64: on the H200 (twenty-ninth session, mixed prompts) the policy went off
 for 11 engine steps of a batch of 64, where plain loop iterations cost 1.83-2.00 ms and the
-1-chain's 1.59-1.95, and the static 2-chain made 1.7 tokens a verify at that cost.
+1-chain's 1.59-1.95, and the static 2-chain made 1.7 tokens a verify at that cost. Grown, it still
+went off there (thirtieth session): plain decoding's own gap grows with the batch faster than the
+chains' (a plain iteration at 64 costs about what a 2-chain's does), so this is a floor, not its
+price; the policy then measures it.
 At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
 order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
 early in a batch was priced above a wider one measured over most of it, and a wider one below a
