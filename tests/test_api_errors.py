@@ -55,6 +55,10 @@ BAD = [
     (CHAT, _chat(max_tokens=None, max_completion_tokens=0), "max_completion_tokens"),
     (CHAT, _chat(max_completion_tokens=3), "max_tokens"),
     (CHAT, _chat(logprobs="yes"), "logprobs"),
+    (CHAT, _chat(presence_penalty=0.5), "presence_penalty"),
+    (COMPLETIONS, {"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    (GENERATE, _native(repetition_penalty=1.1), "sampling_params.repetition_penalty"),
+    (GENERATE, _native(presence_penalty="0"), "sampling_params.presence_penalty"),
     (GENERATE, {"sampling_params": {"max_new_tokens": 4}}, "text"),
     (GENERATE, {"text": "hi", "input_ids": [1, 2]}, "text"),
     (GENERATE, {"input_ids": [[1, 2], [3, "a"]]}, "input_ids[1][1]"),
@@ -98,6 +102,21 @@ def _assert_400(response, param):
 def test_bad_input_is_a_400_naming_the_field(served, route, body, param):
     _assert_400(served.http.post(route, json=body), param)
     assert served.http.get("/health").status_code == 200
+
+
+def test_penalties_at_their_defaults_are_accepted(served):
+    """Clients send a penalty's default whether or not it was set (LangChain's `ChatOpenAI`: presence
+    and frequency 0; SGLang's: repetition 1); at that value it is a no-op, not an unknown field."""
+    zero = {"presence_penalty": 0, "frequency_penalty": 0.0}
+    for route, body in (
+        (CHAT, _chat(**zero)),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 4, **zero}),
+        (GENERATE, _native(**zero, repetition_penalty=1)),
+    ):
+        response = served.http.post(route, json=body)
+        assert response.status_code == 200, response.text
+    error = served.http.post(CHAT, json=_chat(presence_penalty=0.5)).json()["error"]
+    assert error["message"] == "presence_penalty: only 0 is supported (penalties are not implemented)"
 
 
 # Bodies as sent (JSON may escape half a surrogate pair; Python's parser takes NaN and Infinity).

@@ -155,7 +155,9 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         param = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
         message = f"{param}: unknown field"
     else:
-        message = f"{param or 'body'}: {first.get('msg')}"
+        # a validator's own words, without pydantic's "Value error, " before them
+        msg = str(first.get("msg")).removeprefix("Value error, ")
+        message = f"{param or 'body'}: {msg}"
     return ApiError(400, message, param)
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field
 
 from specserve.api.limits import MAX_NATIVE_TOP_LOGPROBS, MAX_PROMPTS, MAX_RID_LEN, MAX_TOKEN_ID_LIST
-from specserve.api.openai_schemas import STRICT, StopStrings, Text, TokenIdList
+from specserve.api.openai_schemas import STRICT, StopStrings, Text, TokenIdList, ZeroPenalty, neutral
 from specserve.types import SamplingParams
 
 SAMPLING_FIELDS = (
@@ -48,6 +48,15 @@ class NativeSamplingParams(BaseModel):
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     seed: int | None = Field(None, description="Seed of the sampler: same seed, same output.")
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    frequency_penalty: ZeroPenalty = Field(
+        0.0, description="Only 0, SGLang's default: penalties are not implemented."
+    )
+    presence_penalty: ZeroPenalty = Field(
+        0.0, description="Only 0, SGLang's default: penalties are not implemented."
+    )
+    repetition_penalty: Annotated[float, neutral(1.0)] = Field(
+        1.0, description="Only 1, SGLang's default: penalties are not implemented."
+    )
 
 
 PromptIds = Annotated[list[int], Field(min_length=1)]

@@ -40,6 +40,23 @@ def _unicode(value: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]  # every string a request may hold
 
 
+def neutral(value: float) -> AfterValidator:
+    """A knob the engine does not implement, accepted at its no-op value only: clients send their
+    defaults whether or not the user set them (LangChain's `ChatOpenAI` sends `presence_penalty: 0`
+    and `frequency_penalty: 0` with every request; SGLang's clients send `repetition_penalty: 1`),
+    and refusing the field refused those requests whole. Any other value is a 400 naming it."""
+
+    def check(given: float) -> float:
+        if given != value:
+            raise ValueError(f"only {value:g} is supported (penalties are not implemented)")
+        return given
+
+    return AfterValidator(check)
+
+
+ZeroPenalty = Annotated[float, neutral(0.0)]
+
+
 def _one_or_list(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
@@ -102,6 +119,14 @@ class OpenAISampling(BaseModel):
         True, description="Leave special tokens out of the text (an extension)."
     )
     user: Text | None = Field(None, description="An id of the caller's end user; accepted and not used.")
+    presence_penalty: ZeroPenalty = Field(
+        0.0,
+        description="Only 0, OpenAI's default: penalties are not implemented (sent by clients that always send it).",
+    )
+    frequency_penalty: ZeroPenalty = Field(
+        0.0,
+        description="Only 0, OpenAI's default: penalties are not implemented (sent by clients that always send it).",
+    )
 
     def _params(self, max_tokens: int | None, top_logprobs: int | None, seed_offset: int) -> SamplingParams:
         seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
