@@ -16,7 +16,7 @@ FLASH_PAGE_MULTIPLE = 16
 PREFILL_GRAPH_TOKENS = 512  # the default largest prefill graph on CUDA (EngineConfig)
 
 
-# Head methods whose chains may run in the device loop (a head of one step module: checked at load).
+# Head methods whose chains may run in the device loop (with their draft graphs: checked at load).
 HEAD_LOOP_METHODS = ("eagle", "eagle3", "mtp")
 
 

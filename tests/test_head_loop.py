@@ -46,8 +46,8 @@ HEADS = {
 
 @pytest.fixture(scope="module")
 def heads(small_vocab_target, tmp_path_factory):
-    """Seeded random heads, and EAGLE-3 / EAGLE heads trained for seconds on the tiny target's own
-    greedy answers ("trained-*"): random heads' greedy drafts are almost never accepted, and the
+    """Seeded random heads, and EAGLE-3 / EAGLE / MTP heads trained for seconds on the tiny target's
+    own greedy answers ("trained-*"): random heads' greedy drafts are almost never accepted, and the
     loop's extend must pick the last of several accepted rows."""
     root = tmp_path_factory.mktemp("head_loop_heads")
     folders = {}
@@ -59,10 +59,10 @@ def heads(small_vocab_target, tmp_path_factory):
     samples = generate_responses(
         llm, _prompts(128, seed=0), root / "answers.npz", settings, log=lambda _: None
     )
-    for method in ("eagle3", "eagle"):
+    for method in ("eagle3", "eagle", "mtp"):
         cfg = TrainConfig(
             method=method, steps=4, lr=3e-3, warmup_steps=10, tokens_per_batch=1024, max_steps=150,
-            checkpoint_every=1000, save_dtype="float32",
+            checkpoint_every=1000, save_dtype="float32", num_modules=3 if method == "mtp" else 1,
         )  # fmt: skip
         train_head(
             small_vocab_target,
@@ -147,7 +147,13 @@ def _check_against_reference(target, head, records, every: int = 2) -> int:
 
 
 @pytest.mark.parametrize(
-    ("method", "head"), [("eagle3", "trained-eagle3"), ("eagle", "trained-eagle"), ("eagle3", "eagle3")]
+    ("method", "head"),
+    [
+        ("eagle3", "trained-eagle3"),
+        ("eagle", "trained-eagle"),
+        ("eagle3", "eagle3"),
+        ("mtp", "trained-mtp"),  # three modules: each extends over the verify rows, shifted one back
+    ],
 )
 def test_loop_equals_plain_and_the_reference(small_vocab_target, heads, launches, method, head):
     prompts = _prompts(128, seed=0)[::32]  # prompts the trained heads learned the answers of
@@ -300,17 +306,19 @@ def test_adaptive_tiers(small_vocab_target, heads, launches):
     assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, flat, every=3) >= 3
 
 
-def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, heads, monkeypatch):
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, heads, monkeypatch, method):
     """The policy switches tier at every step (chains 4, 1, 2): each new length's run goes on from
     the head state the last run left in the shared chain buckets (its seeds, tails, positions; each
     row's chain steps set for the new length), queued behind it; plain greedy tokens, and every
-    chain the from-scratch one."""
+    chain the from-scratch one. The MTP chain's three modules: a chain of 1 or 2 leaves a module's
+    tail to the extend alone."""
     prompts = _prompts(128, seed=0)[::32]
     params = [SamplingParams(max_new_tokens=24 + 12 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
     plain = _llm(small_vocab_target).generate(prompts, params)
     spec = {
-        "method": "eagle3",
-        "draft_model": str(heads["trained-eagle3"]),
+        "method": method,
+        "draft_model": str(heads[f"trained-{method}"]),
         "num_steps": 4,
         "adaptive": {"tiers": ["off", 1, 2, 4], "profile": False},
         "device_steps": 4,
@@ -329,17 +337,6 @@ def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, head
     assert _check_against_reference(small_vocab_target, llm.engine.drafter.head, flat, every=2) >= 10
 
 
-def test_multi_module_heads_stay_synchronous(small_vocab_target, heads, launches):
-    """An MTP chain of several modules drafts on the host: no head loop, same tokens."""
-    llm = _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=None)
-    assert llm.engine.device_loop is None
-    prompts = _prompts(2, seed=4)
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    plain = _llm(small_vocab_target).generate(prompts, params)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert not launches
-
-
 def test_settings(small_vocab_target, heads):
     SpeculativeConfig(method="eagle3", draft_model="h", num_steps=4, device_steps=8).validate()
     for bad in (dict(topk=2), dict(num_steps=1)):
@@ -347,27 +344,32 @@ def test_settings(small_vocab_target, heads):
             SpeculativeConfig.from_value(
                 {"method": "eagle3", "draft_model": "h", "num_steps": 4, "device_steps": 8, **bad}
             ).validate()
-    with pytest.raises(ValueError, match="one step module"):
-        _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=4)
+    # an MTP chain of several modules drafts in the loop too, by default
+    assert isinstance(
+        _llm(small_vocab_target, "mtp", heads["mtp"], device_steps=None).engine.device_loop, HeadDeviceLoop
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_captured_head_loop_equals_plain(smollm2_gguf, mtbench_questions, launches, tmp_path):
-    """fp32 SmolLM2 on the GPU with a seeded random EAGLE-3 head: the captured loop's tokens are
-    plain greedy decoding's, batch 1 and 3, in chained runs."""
+@pytest.mark.parametrize(("method", "kwargs"), [("eagle3", {}), ("mtp", {"num_modules": 2})])
+def test_gpu_captured_head_loop_equals_plain(
+    smollm2_gguf, mtbench_questions, launches, tmp_path, method, kwargs
+):
+    """fp32 SmolLM2 on the GPU with a seeded random EAGLE-3 head, or an MTP chain of two modules: the
+    captured loop's tokens are plain greedy decoding's, batch 1 and 3, in chained runs."""
     from specserve.model.loader import load_model
 
     common = dict(device="cuda", dtype="float32", max_total_tokens=1 << 14, cuda_graph_max_batch=4)
     arch = load_model(str(smollm2_gguf), torch.device("cpu"), torch.float32).arch
-    config, tensors = random_head("eagle3", arch, seed=1)
-    folder = save_head(tmp_path / "eagle3", config, tensors)
+    config, tensors = random_head(method, arch, seed=1, **kwargs)
+    folder = save_head(tmp_path / method, config, tensors)
     params = SamplingParams(max_new_tokens=64, temperature=0.0)
     prompts = mtbench_questions[:3]
     plain = LLM(str(smollm2_gguf), **common)
     want = plain.generate(prompts, params)
     del plain
-    spec = {"method": "eagle3", "draft_model": str(folder), "num_steps": 4, "device_steps": 8}
+    spec = {"method": method, "draft_model": str(folder), "num_steps": 4, "device_steps": 8}
     looped = LLM(str(smollm2_gguf), speculative=spec, **common)
     assert isinstance(looped.engine.device_loop, HeadDeviceLoop) and looped.engine.device_loop.loop_graphs
     got = looped.generate(prompts, params)

@@ -570,8 +570,8 @@ def make_device_loops(
     if spec.method != "ngram" and head_loop is None:
         if spec.device_steps is not None:
             raise ValueError(
-                "speculative.device_steps: a head drafts in the device loop only with one step module "
-                "(EAGLE, EAGLE-3, MTP of one module) and its draft graphs (SPECSERVE_DRAFT_GRAPHS)"
+                "speculative.device_steps: a head drafts in the device loop only with its draft graphs "
+                "(SPECSERVE_DRAFT_GRAPHS)"
             )
         return {}, 0
     if spec.adaptive is not None:

@@ -1,4 +1,4 @@
-"""The device loop with a hidden-state head drafting: EAGLE / EAGLE-3 chains queued back to back.
+"""The device loop with a hidden-state head drafting: EAGLE / EAGLE-3 / MTP chains queued back to back.
 
 `DeviceLoop` runs n-gram chains, whose drafts come from the token history. A head's drafts come
 from its own forwards, which read the target's features, and those can stay on the device too. One
@@ -9,22 +9,25 @@ iteration per request, all captured in one graph per batch bucket:
 - the verify input from those drafts (`loop_prepare` with `given` drafts), the target's forward, the
   accept (greedy, or for sampling requests the host path's test of deterministic drafts) and
   append (`loop_accept`), as in `DeviceLoop`;
-- the extend at a fixed shape: the head's module over every verify row, row i pairing the token that
-  follows its position (the verify's token there: the draft it accepted, else its draw) with the
-  target's feature at it, its KV at the verify's own slots. Rows past the accepted ones write head
-  KV at positions the next extend rewrites before anything reads them (the chain writes each
-  position before it attends to it), so the head's KV ends up as the synchronous extend over the
-  accepted tokens leaves it. The last accepted row's output and greedy draft become the next seed
-  and tail (kept where a row took nothing: a finished or pad row).
+- the extend at a fixed shape: the head's modules over every verify row, row i pairing the token
+  that follows its position (the verify's token there: the draft it accepted, else its draw) with
+  the target's feature at it (module 0), or with module m-1's output one row back (module m of an
+  MTP chain; row 0 takes module m-1's tail, its output at the position before the verify's first,
+  which the last extend settled), its KV at the verify's own slots. Rows past the accepted ones
+  write head KV at positions the next extend rewrites before anything reads them (the chain writes
+  each position before it attends to it), so the head's KV ends up as the synchronous extend over
+  the accepted tokens leaves it. The last accepted row's outputs and module 0's greedy draft become
+  the next tails and seed (kept where a row took nothing: a finished or pad row).
 
 The bookkeeping around the head's forwards is one launch each (`kernels/head_glue.py`): a chain
 step's input, and the extend's settle; the split argmax stores the drafts straight into the verify's
 given drafts, and the seeds into the chain bucket.
 
-Only heads of one step module (EAGLE, EAGLE-3): a chain of MTP modules pairs each module with the
-one before through per-request shifts the fixed shape does not carry. The head's per-request state
-goes back to the requests (`hand_back`) when the loop stops running them, as the synchronous
-extend would have left it, so the synchronous path drafts on from there.
+Every verify row of a request sits one position past the row before, and its first one past the
+position the last extend settled, so an MTP chain's shift from module to module is the same for
+every request: the fixed shape carries it. The head's per-request state goes back to the requests
+(`hand_back`) when the loop stops running them, as the synchronous extend would have left it, so
+the synchronous path drafts on from there.
 """
 
 from __future__ import annotations
@@ -146,25 +149,39 @@ class HeadDeviceLoop(DeviceLoop):
         self._extend(bucket, batch, graph, target, features)
 
     def _extend(self, bucket, batch: int, graph, target: torch.Tensor, features: torch.Tensor) -> None:
-        """The head over every verify row (fixed shape), then the next seed, tail and position of
-        each row that took tokens: one glue launch (`extend_settle`), the lm_head over the chosen
-        rows and the split argmax writing the seeds in place."""
-        head = self.drafter.head
+        """The head's modules over every verify row (fixed shape), then the next seed, tails and
+        position of each row that took tokens: one glue launch (`extend_settle`: module 0's tail,
+        the position, the steps), a gather per further module, the lm_head over the chosen rows
+        and the split argmax writing the seeds in place."""
+        head, tails = self.drafter.head, bucket.tails[:batch]
         ctx = self.drafter.backend.prepare(graph.attention, self.drafter.kv_cache)
+        ids = target.view(-1)
         out, to_logits = head.run(
-            0, target.view(-1), features.to(self.drafter.dtype), graph.positions, ctx, from_target=True
+            0, ids, features.to(self.drafter.dtype), graph.positions, ctx, from_target=True
         )
+        outs, hidden = [out], out.shape[-1]
+        for m in range(1, self.drafter.num_modules):  # before the settle: row 0 reads the old tails
+            before = outs[-1].view(batch, -1, hidden)[:, :-1]  # module m-1 one row back
+            shifted = torch.cat([tails[:, m - 1 : m], before], dim=1).view(-1, hidden)
+            outs.append(head.run(m, ids, shifted, graph.positions, ctx, from_target=False)[0])
+        records = self.records[:batch]
         selected, moved = self.settle(
-            self.records[:batch],
+            records,
             self.lengths[:batch],
             self.limits[:batch],
             self.steps_left[:batch],
             to_logits,
             out,
-            bucket.tails[:batch, 0],
+            tails[:, 0],
             bucket.base[:batch],
             bucket.steps[:batch],
         )
+        if len(outs) > 1:  # each further module's output at the row `extend_settle` chose
+            q = records.shape[1] - 2
+            last = (records[:, q] - 1).clamp(min=0)
+            rows = torch.arange(batch, device=last.device)
+            chosen = torch.stack([o.view(batch, q, hidden)[rows, last] for o in outs[1:]], dim=1)
+            tails[:, 1:].copy_(torch.where(moved[:, None, None], chosen.to(tails.dtype), tails[:, 1:]))
         self.draft_graphs.greedy_into(head.logits(0, selected), bucket.ids[:batch], keep=moved)
 
 
@@ -175,9 +192,9 @@ def head_loop_factory(
     configured chain's, or each chain tier's under adaptive speculation: they share the draft
     graphs' chain buckets, a fresh run seeding them from the requests' head state, a switch of tier
     going on from what the last run left there), or None where a head cannot draft on the device:
-    no chain graphs, or more than one step module."""
+    no chain graphs."""
     if not isinstance(drafter, HeadDrafter) or graphs is None or drafter.graphs is None:
         return None
-    if drafter.num_modules != 1 or not drafter.graphs.chain or spec is None:
+    if not drafter.graphs.chain or spec is None:
         return None
     return lambda num_steps, state: HeadDeviceLoop(graphs, drafter, num_steps, max_context, state)
