@@ -161,7 +161,7 @@ class HeadDeviceLoop(DeviceLoop):
         )
         outs, hidden = [out], out.shape[-1]
         for m in range(1, self.drafter.num_modules):  # before the settle: row 0 reads the old tails
-            before = outs[-1].view(batch, -1, hidden)[:, :-1]  # module m-1 one row back
+            before = outs[-1].reshape(batch, -1, hidden)[:, :-1]  # module m-1 one row back
             shifted = torch.cat([tails[:, m - 1 : m], before], dim=1).view(-1, hidden)
             outs.append(head.run(m, ids, shifted, graph.positions, ctx, from_target=False)[0])
         records = self.records[:batch]
@@ -180,7 +180,7 @@ class HeadDeviceLoop(DeviceLoop):
             q = records.shape[1] - 2
             last = (records[:, q] - 1).clamp(min=0)
             rows = torch.arange(batch, device=last.device)
-            chosen = torch.stack([o.view(batch, q, hidden)[rows, last] for o in outs[1:]], dim=1)
+            chosen = torch.stack([o.reshape(batch, q, hidden)[rows, last] for o in outs[1:]], dim=1)
             tails[:, 1:].copy_(torch.where(moved[:, None, None], chosen.to(tails.dtype), tails[:, 1:]))
         self.draft_graphs.greedy_into(head.logits(0, selected), bucket.ids[:batch], keep=moved)
 
