@@ -27,7 +27,8 @@ TRACE_DATA names the data set (default mt-bench) or a prompts file, as `specserv
 TRACE_SEQ=1 prints, for every traced run, its steps in order, run-length encoded as
 kind@tier[running requests], and the adaptive policy's calibrated scores wherever its standing tier
 changed (the first step of a row of plain steps while the tier stands is a plain-price probe,
-`AdaptivePolicy._probe_off`, not a switch).
+`AdaptivePolicy._probe_off`, not a switch). TRACE_SCORES_EVERY=N adds the scores every N steps while
+a tier stands, with each tier's step price in ms (why a tier held: issue 9's batch-64 off stint).
 
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
 """
@@ -64,6 +65,7 @@ DATA = os.environ.get("TRACE_DATA", "mt-bench")
 PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
 CARRY = [int(b) for b in os.environ.get("TRACE_CARRY", "").split(",") if b] or [device_loop.CARRY_SHARE]
 SEQUENCE = os.environ.get("TRACE_SEQ", "0") != "0"
+SCORES_EVERY = int(os.environ.get("TRACE_SCORES_EVERY", "0"))  # with TRACE_SEQ: scores while a tier stands
 
 
 # (mean context, seconds per iteration) of every loop run queued behind the one before, by chain length
@@ -90,15 +92,24 @@ def _run_lengths(items: list[str]) -> str:
 
 
 def _note_switch(policy, step: int, notes: list[str]) -> None:
-    """Where the policy's standing tier changed: its calibrated scores (tokens/s) then."""
+    """Where the policy's standing tier changed (and every SCORES_EVERY steps while it stands): its
+    calibrated scores (tokens/s) then, and with SCORES_EVERY each tier's step price (ms)."""
     current = policy.current.name if policy.current is not None else "-"
-    if getattr(policy, "_traced_current", None) == current:
+    changed = getattr(policy, "_traced_current", None) != current
+    if not changed and not (SCORES_EVERY and step % SCORES_EVERY == 0):
         return
     policy._traced_current = current
     scored = policy._scored
     scores = policy._calibrated(scored) if scored is not None else {}
     cells = " ".join(f"{t.name}:{v:,.0f}" for t, v in sorted(scores.items()))
-    notes.append(f"  step {step}: now {current} at batch {policy.last_batch}; scores {cells}")
+    how = "now" if changed else "still"
+    note = f"  step {step}: {how} {current} at batch {policy.last_batch}; scores {cells}"
+    if SCORES_EVERY and policy.last_batch:
+        prices = " ".join(
+            f"{t.name}:{policy.step_seconds(t, policy.last_batch) * 1e3:.2f}" for t in policy.tiers
+        )
+        note += f"; ms a step {prices}"
+    notes.append(note)
 
 
 def context_fit(samples: list[tuple[float, float]]) -> str:
