@@ -66,6 +66,7 @@ class HeadDeviceLoop(DeviceLoop):
         most = max(graphs.buckets.batch_sizes)
         self.given = torch.zeros(most, num_steps, dtype=torch.int64, device=device)
         self.steps_left = torch.full((most,), num_steps - 1, dtype=torch.int64, device=device)
+        self.request_rows = torch.arange(most, device=device)  # a constant: none is made in a capture
         self.settle = extend_settle if use_triton(device) else extend_settle_ref
         super().__init__(graphs, num_steps, 1, 1, max_context, state)
 
@@ -179,7 +180,7 @@ class HeadDeviceLoop(DeviceLoop):
         if len(outs) > 1:  # each further module's output at the row `extend_settle` chose
             q = records.shape[1] - 2
             last = (records[:, q] - 1).clamp(min=0)
-            rows = torch.arange(batch, device=last.device)
+            rows = self.request_rows[:batch]
             chosen = torch.stack([o.reshape(batch, q, hidden)[rows, last] for o in outs[1:]], dim=1)
             tails[:, 1:].copy_(torch.where(moved[:, None, None], chosen.to(tails.dtype), tails[:, 1:]))
         self.draft_graphs.greedy_into(head.logits(0, selected), bucket.ids[:batch], keep=moved)
