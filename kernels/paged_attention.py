@@ -260,8 +260,6 @@ def _store_rows(out_ptr, t, head, d, stride_ot, stride_oh, acc, l_i, out_ok):
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter: splits only when asked for
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -290,15 +288,27 @@ def tiles(max_query_len: int, group: int) -> Tiles:
 # the count for the longest context, so short contexts pay for empty slices and a wider merge: on an
 # H100 the batch-1 decode replay took 1.19 ms with 32 slices, 0.99 with 8, 1.01 with 2 or 1.
 MAX_SPLITS = int(os.environ.get("SPECSERVE_MAX_SPLITS", "8"))
+# At least this many key slices on a GPU (SPECSERVE_MIN_SPLITS), however many programs the batch
+# makes: a program walks its keys one tile after another, bound by latency, so even a batch that covers
+# the SMs leaves them waiting. On the H200 (thirty-first session, plain decoding in the device loop,
+# MT-Bench, 256 tokens) a batch-64 decode took 13.7 us a layer at one slice (192 programs on 132
+# SMs) where the isolated replay over one-token contexts took 3.5; three slices made 46.6k tok/s
+# against 42.6k; batch 16 already had three (16.9k; six or eight: 16.3k).
+MIN_SPLITS = int(os.environ.get("SPECSERVE_MIN_SPLITS", "3"))
 
 
 def num_splits(
     batch_size: int, max_query_len: int, max_seq_len: int, num_kv_heads: int, group: int, device: torch.device
 ) -> int:
-    """Key slices per program: one slice unless the batch leaves SMs idle; then enough programs
-    to cover them, each slice still >= 128 keys (at most MAX_SPLITS slices)."""
-    programs = batch_size * triton.cdiv(max_query_len, tiles(max_query_len, group).tokens) * num_kv_heads
-    want = triton.cdiv(_sm_count(device), programs)
+    """Key slices per program: MIN_SPLITS where each request's query is one tile (decode, verify),
+    or where the batch leaves SMs idle enough programs to cover them; each slice still >= 128 keys, at
+    most MAX_SPLITS slices. The interpreter: one (splits only when asked for)."""
+    if device.type != "cuda":
+        return 1
+    query_tiles = triton.cdiv(max_query_len, tiles(max_query_len, group).tokens)
+    programs = batch_size * query_tiles * num_kv_heads
+    floor = MIN_SPLITS if query_tiles == 1 else 1  # decode and verify; a prefill's tiles fill the SMs
+    want = max(floor, triton.cdiv(_sm_count(device), programs))
     return max(1, min(want, triton.cdiv(max_seq_len, 128), MAX_SPLITS))
 
 

@@ -5,9 +5,10 @@ engine with the device loop (`specserve/engine/device_loop.py`), and times back-
 the verify bucket's graph and of the loop's iteration graph (draft lookup, input, the same forward,
 accept): the difference is the loop's glue on the device. Then a real run: MT-Bench prompts at
 that batch, 256 new tokens, greedy, EOS ignored; wall ms per loop iteration and tokens a verify.
-LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replays). LOOP_HEAD=FOLDER
-profiles a head's loop instead (`specserve/engine/head_loop.py`: EAGLE-3 chains of LOOP_STEPS drafts),
-whose "glue" is the head's drafting.
+LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replays; LOOP_KERNELS=64: of
+batch 64). LOOP_STEPS=0 profiles plain decoding's loop (`make_plain_loop`) against the decode bucket. LOOP_HEAD=FOLDER
+profiles a head's loop instead (`specserve/engine/head_loop.py`: EAGLE-3 chains of LOOP_STEPS drafts;
+LOOP_METHOD=mtp for an MTP head), whose "glue" is the head's drafting.
 
     LOOP_BATCHES=1,16 LOOP_STEPS=5,8 python3 -P scripts/profile_loop.py
     LOOP_HEAD=path/to/eagle3 LOOP_KERNELS=1 LOOP_BATCHES=1 LOOP_STEPS=5 python3 -P scripts/profile_loop.py
@@ -32,11 +33,17 @@ from profile_verify import kernel_table, replay_us  # noqa: E402
 BATCHES = [int(b) for b in os.environ.get("LOOP_BATCHES", "1,16,64").split(",")]
 STEPS = [int(s) for s in os.environ.get("LOOP_STEPS", "8").split(",")]
 HEAD = os.environ.get("LOOP_HEAD")
+METHOD = os.environ.get("LOOP_METHOD", "eagle3")  # LOOP_HEAD's kind: eagle3 or mtp
 
 
-def _spec(steps: int) -> dict:
+KERNEL_BATCH = int(os.environ.get("LOOP_KERNELS") or 0)
+
+
+def _spec(steps: int) -> dict | None:
+    if steps == 0:
+        return None
     if HEAD:
-        return {"method": "eagle3", "draft_model": HEAD, "num_steps": steps, "device_steps": 8}
+        return {"method": METHOD, "draft_model": HEAD, "num_steps": steps, "device_steps": 8}
     return {"method": "ngram", "num_steps": steps, "device_steps": 8}
 
 
@@ -61,7 +68,8 @@ def main() -> None:
             bucket = next(b for b in loop.batch_sizes if b >= batch)
             verify = replay_us(engine.runner.graphs.graphs[(bucket, steps + 1)].graph)
             iteration = replay_us(loop.loop_graphs[bucket])
-            if os.environ.get("LOOP_KERNELS") and batch == 1:
+            if batch == KERNEL_BATCH:
+                kernel_table(engine.runner.graphs.graphs[(bucket, steps + 1)].graph, "  forward", top=20)
                 kernel_table(loop.loop_graphs[bucket], "  loop step", top=40)
             params = SamplingParams(max_new_tokens=256, temperature=0.0, ignore_eos=True)
             llm.generate(prompts[:batch], params)  # warm-up
@@ -78,7 +86,7 @@ def main() -> None:
             outs = llm.generate(prompts[:batch], params)
             wall = time.perf_counter() - start
             tokens = sum(len(o.token_ids) for o in outs)
-            verifies = sum(o.meta["spec_verify_ct"] for o in outs)
+            verifies = sum(o.meta.get("spec_verify_ct", len(o.token_ids)) for o in outs)
             per_iter = wall / max(1, sum(launches)) * 1e6
             print(
                 f"| {batch} | {steps} | {verify:.0f} | {iteration:.0f} | {iteration - verify:.0f} | "

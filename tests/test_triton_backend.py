@@ -170,22 +170,23 @@ def _fused_qkv_rows(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "method,shape",
+    "method,shape,fused",
     [
-        ("eagle3", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}),  # forests under a tree mask
-        ("mtp", {"num_steps": 3}),
-        ("standalone", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}),
+        ("eagle3", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}, False),  # forests, a tree mask
+        ("mtp", {"num_steps": 3}, False),
+        ("mtp", {"num_steps": 3}, True),
+        ("standalone", {"num_steps": 3, "topk": 2, "num_draft_tokens": 4}, True),
     ],
 )
 def test_model_drafters_attend_with_the_triton_kernels(
-    small_target, triton_cpu, tmp_path, monkeypatch, method, shape
+    small_target, triton_cpu, tmp_path, monkeypatch, method, shape, fused
 ):
     """Beside a Triton target, model drafters attend over their own KV with the same kernels (on
     CUDA the torch backend's SDPA re-planned for every new length): same drafts as the torch backend.
-    Only a standalone drafter (a whole Llama) takes the fused matmuls: its tree steps (2 requests x
-    topk 2 = 4 rows under a tree mask) keep them. EAGLE-3 and MTP heads never do, so those runs turn
-    them off (the target's few small steps: `test_fused_matmuls_in_decode_and_verify_steps`)."""
-    fused = method == "standalone"
+    A standalone drafter (a whole Llama) takes the fused matmuls: its tree steps (2 requests x topk 2
+    = 4 rows under a tree mask) keep them. So does an MTP chain's module (`MTPModule._forward_fused`;
+    unfused, its norms still fold into the residual adds). The EAGLE-3 run turns them off to save the
+    interpreter's time (the target's few small steps: `test_fused_matmuls_in_decode_and_verify_steps`)."""
     rows = _fused_qkv_rows(monkeypatch)
     if method == "standalone":
         draft = small_target.location.path

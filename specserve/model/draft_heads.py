@@ -86,11 +86,19 @@ class Eagle3Layer(nn.Module):
         self.mlp = SwiGLU(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, emb, hidden, positions, rope, ctx):
-        if ctx.fused_linear is not None and ctx.add_rms_norm is not None:
+        if ctx.add_rms_norm is None:
+            both = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+            x = hidden + self.self_attn(both, positions, rope, ctx)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if ctx.fused_linear is not None:
             return self._forward_fused(emb, hidden, positions, rope, ctx)
-        both = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        x = hidden + self.self_attn(both, positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Above the fused-matmul row limit (a batch's extend), the norms still fold into the adds.
+        norm_e, norm_h, norm_2 = self.input_layernorm, self.hidden_norm, self.post_attention_layernorm
+        e, _ = ctx.add_rms_norm(emb, None, norm_e.weight, norm_e.eps)
+        h, _ = ctx.add_rms_norm(hidden, None, norm_h.weight, norm_h.eps)
+        out = self.self_attn(torch.cat([e, h], dim=-1), positions, rope, ctx)
+        h, x = ctx.add_rms_norm(out, hidden, norm_2.weight, norm_2.eps)
+        return x + self.mlp(h, ctx.silu_mul)
 
     def _forward_fused(self, emb, hidden, positions, rope, ctx):
         """The same layer in the context's fused kernels, as the target's `forward_stream` runs its
@@ -124,8 +132,20 @@ class Eagle3Module(nn.Module):
             hidden = ctx.fused_linear(hidden, fc.weight, bias=fc.bias) if fused else fc(hidden)
         x = self.midlayer(emb, hidden, positions, rope, ctx)
         for layer in self.layers:
-            x = layer.forward_stream(x, positions, rope, ctx) if fused else layer(x, positions, rope, ctx)
-        return x, ctx.add_rms_norm(x, None, self.norm.weight, self.norm.eps)[0] if fused else self.norm(x)
+            x = _layer(layer, x, positions, rope, ctx)
+        if ctx.add_rms_norm is None:
+            return x, self.norm(x)
+        return x, ctx.add_rms_norm(x, None, self.norm.weight, self.norm.eps)[0]
+
+
+def _layer(layer: DecoderLayer, x, positions, rope, ctx) -> torch.Tensor:
+    """A head's plain decoder layer in the fastest form the context offers."""
+    if ctx.fused_linear is not None and ctx.add_rms_norm is not None:
+        return layer.forward_stream(x, positions, rope, ctx)
+    if ctx.add_rms_norm is not None:
+        out, residual = layer.forward_fused(x, None, positions, rope, ctx)
+        return out + residual
+    return layer(x, positions, rope, ctx)
 
 
 class SharedHead(nn.Module):
@@ -148,9 +168,26 @@ class MTPModule(DecoderLayer):
         self.shared_head = SharedHead(spec.arch, spec.own_lm_head)
 
     def forward(self, emb, hidden, positions, rope, ctx, from_target: bool):
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
-        x = super().forward(x, positions, rope, ctx)
-        return x, self.shared_head.norm(x)
+        if ctx.add_rms_norm is None:
+            x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
+            x = super().forward(x, positions, rope, ctx)
+            return x, self.shared_head.norm(x)
+        return self._forward_fused(emb, hidden, positions, rope, ctx)
+
+    def _forward_fused(self, emb, hidden, positions, rope, ctx):
+        """The same module in the context's fused kernels, as `Eagle3Layer` runs: eager norms and
+        cuBLAS matmuls made an MTP module's draft step at batch 1 about twice an EAGLE-3 step's
+        launches (H200, docs/benchmarks.md). Above the fused-matmul row limit, the layer's norms
+        still fold into its residual adds."""
+
+        def norm(x: torch.Tensor, module: RMSNorm) -> torch.Tensor:
+            return ctx.add_rms_norm(x, None, module.weight, module.eps)[0]
+
+        both = torch.cat([norm(emb, self.enorm), norm(hidden, self.hnorm)], dim=-1)
+        fused = ctx.fused_linear is not None
+        projected = ctx.fused_linear(both, self.eh_proj.weight) if fused else self.eh_proj(both)
+        x = _layer(self, projected, positions, rope, ctx)
+        return x, norm(x, self.shared_head.norm)
 
 
 class DraftHead(nn.Module):
