@@ -237,3 +237,34 @@ def test_train_draft_generates_and_resumes_over_turn_prompts(tiny_llama, tmp_pat
     assert main([*common, "--phase", "answers", "--data", "sharegpt-turns", "--max-new-tokens", "8"]) == 0
     answers = load_samples(out / "answers.npz")
     assert len(answers) == 14 and answers.meta["data"] == "sharegpt-turns"
+
+
+def test_the_prompts_phase_leaves_out_what_sharded_runs_answered(tiny_llama, tmp_path, monkeypatch, capsys):
+    """`--phase prompts --skip-answered R0,R1`: the prompts file less the prompts two `--shard W/2`
+    data runs answered (index i of shard W being prompt W + 2i), in file order. Responses of another
+    prompt list are refused by name."""
+    import specserve.assets
+
+    monkeypatch.setattr(specserve.assets, "dataset_path", lambda name, **_: _sharegpt_file(tmp_path))
+    run, rest_dir = tmp_path / "run", tmp_path / "rest"
+    common = ["train-draft", "--target", str(tiny_llama.location.path), "--no-progress"]
+    assert main([*common, "--out", str(run), "--phase", "prompts", "--data", "sharegpt-turns"]) == 0
+    prompts_file = str(run / "prompts.jsonl.gz")
+    prompts = read_prompts_file(run / "prompts.jsonl.gz", max_chars=2000)
+    data = [*common, "--out", str(run), "--phase", "data", "--data", prompts_file, "--max-new-tokens", "4"]
+    for w, count in ((0, "3"), (1, "2")):
+        assert (
+            main([*data, "--shard", f"{w}/2", "--responses", str(run / f"r{w}.npz"), "--num-prompts", count])
+            == 0
+        )
+    answered = {w + 2 * int(i) for w in (0, 1) for i in load_samples(run / f"r{w}.npz").prompt_index}
+    assert len(answered) == 5
+    rest_phase = [*common, "--out", str(rest_dir), "--phase", "prompts", "--data", prompts_file]
+    assert main([*rest_phase, "--skip-answered", f"{run / 'r0.npz'},{run / 'r1.npz'}"]) == 0
+    rest = read_prompts_file(rest_dir / "prompts.jsonl.gz", max_chars=2000)
+    assert rest == [p for i, p in enumerate(prompts) if i not in answered] and len(rest) == len(prompts) - 5
+    other = [*common, "--out", str(tmp_path / "other"), "--phase", "data", "--data", "sharegpt-turns"]
+    assert main([*other, "--seed", "1", "--max-new-tokens", "4", "--num-prompts", "2"]) == 0
+    capsys.readouterr()
+    assert main([*rest_phase, "--skip-answered", str(tmp_path / "other" / "responses.npz")]) == 2
+    assert "answers another prompt list" in capsys.readouterr().err

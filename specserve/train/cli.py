@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--num-prompts", type=count(), default=None, help="stop after this many answered prompts"
     )
+    data.add_argument(
+        "--skip-answered",
+        default=None,
+        metavar="R1,R2",
+        help="prompts phase: leave out the prompts these responses files answered (each file's indices "
+        "within the --shard it recorded), so a prompts file of the rest can be carried alone",
+    )
     data.add_argument("--data-minutes", type=float, default=None, help="stop generating after this long")
     data.add_argument("--max-new-tokens", type=count(), default=512, help="longest answer (default: 512)")
     data.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy answers")
@@ -212,8 +219,10 @@ def _run(args: argparse.Namespace, phases: list[str]) -> int:
 
     out = Path(args.out)
     if "prompts" in phases:
-        tokenizer = _tokenizer(args) if args.data in TURN_DATASETS else None
+        tokenizer = _tokenizer(args) if args.data in TURN_DATASETS or args.skip_answered else None
         texts = _prompts(args, args.data, tokenizer)
+        if args.skip_answered:
+            texts = _unanswered(texts, args.skip_answered, tokenizer)
         texts = texts[: args.num_prompts] if args.num_prompts else texts
         print(f"prompts: {len(texts)} in {write_prompts(texts, out / 'prompts.jsonl.gz')}")
     rest = [p for p in phases if p != "prompts"]
@@ -287,10 +296,23 @@ def _layer_ids(text: str) -> tuple[int, ...]:
 
 
 def _chat_prompts(loaded, prompts: list) -> list[list[int]]:
+    return _chat_ids(loaded.tokenizer, prompts)
+
+
+def _chat_ids(tokenizer, prompts: list) -> list[list[int]]:
     from specserve.model.tokenizer import chat_prompts_ids
     from specserve.train.turns import prompt_messages
 
-    return chat_prompts_ids(loaded.tokenizer, [prompt_messages(p) for p in prompts])
+    return chat_prompts_ids(tokenizer, [prompt_messages(p) for p in prompts])
+
+
+def _unanswered(prompts: list, responses: str, tokenizer) -> list:
+    from specserve.train.data import unanswered_prompts
+
+    paths = [p for p in responses.split(",") if p.strip()]
+    rest = unanswered_prompts(prompts, paths, lambda shard: _chat_ids(tokenizer, shard))
+    print(f"prompts: {len(prompts) - len(rest)} of {len(prompts)} answered in {len(paths)} files")
+    return rest
 
 
 def _answers_phase(args: argparse.Namespace, loaded, out: Path) -> None:

@@ -325,6 +325,45 @@ def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
     return digest.hexdigest()
 
 
+def unanswered_prompts(prompts: list, responses: Sequence[str | Path], chat_ids) -> list:
+    """`prompts` less those the responses files answered (`--phase prompts --skip-answered`): each
+    file's prompt indices count within its `--shard W/N` (its meta; 0/1 where none), index i being
+    prompt W + N i. A file of its own for the rest lets a later data run carry it without the whole
+    list and the answers it would resume from. `chat_ids` maps prompts to their chat-template ids:
+    a file must hold this list's prompts at its indices (checked on up to CHECKED_PROMPTS of them)."""
+    answered: set[int] = set()
+    for path in responses:
+        samples = load_samples(path)
+        worker, _, count = str((samples.meta or {}).get("shard") or "0/1").partition("/")
+        w, n = int(worker), int(count)
+        indices = [w + n * int(i) for i in samples.prompt_index]
+        if not _holds_prompts(samples, indices, prompts, chat_ids):
+            raise ValueError(
+                f"--skip-answered: {path} answers another prompt list (or other --shard settings)"
+            )
+        answered.update(indices)
+    return [p for i, p in enumerate(prompts) if i not in answered]
+
+
+CHECKED_PROMPTS = 200
+
+
+def _holds_prompts(samples: Samples, indices: list[int], prompts: list, chat_ids) -> bool:
+    """Whether the samples' prompt tokens are those prompts' (all but 5% of those checked). Not the
+    recorded fingerprint: tokenizer versions split a rare text differently (2 of 17,576 ShareGPT
+    turns between the GPU machine's and this one's), which changes it for the whole list."""
+    if any(i >= len(prompts) for i in indices):
+        return False
+    starts = np.concatenate([[0], np.cumsum(samples.lengths)])
+    picks = sorted(set(np.linspace(0, len(indices) - 1, min(CHECKED_PROMPTS, len(indices)), dtype=int)))
+    wanted = chat_ids([prompts[indices[j]] for j in picks])
+    same = sum(
+        samples.tokens[starts[j] : starts[j] + samples.prompt_lens[j]].tolist() == list(ids)
+        for j, ids in zip(picks, wanted, strict=True)
+    )
+    return same >= 0.95 * len(picks)
+
+
 @dataclass
 class _Pace:
     """Engine steps and the running requests summed over them: the log's steps/s and mean batch say
