@@ -6,6 +6,8 @@ pass, the head's unrolled forward with its losses, backward, clipping + AdamW).
     # SmolLM2-135M's layout (30 layers, 9/3 heads) at tiny widths and a 1k vocabulary, random
     # samples: the same ops as the real target, each nearly free, so the time is the host's
     OMP_NUM_THREADS=1 python scripts/bench_train_step.py --mini --tokens-per-batch 2048
+    # on the GPU: where a step's time goes (host- or device-bound; kernels by device time)
+    python3 -P scripts/bench_train_step.py --responses R --device cuda --tokens-per-batch 32768 --profile
 
 The op count is the host's work: each aten op is a Python -> C++ dispatch (plus an autograd node
 when it records one), which is what bounds a step of a small head on a fast GPU. `--autocast`
@@ -104,6 +106,9 @@ def main() -> None:
     p.add_argument("--autocast", action="store_true", help="bf16 autocast (always on for CUDA)")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="torch.compile the step modules (--compile)")
+    p.add_argument(
+        "--profile", action="store_true", help="one more step under the torch profiler: ops by device time"
+    )
     args = p.parse_args()
 
     device = torch.device(args.device)
@@ -194,6 +199,28 @@ def main() -> None:
         f"ms per step over {args.steps} steps: wall median {statistics.median(walls):.1f} "
         f"(min {min(walls):.1f}), process CPU median {statistics.median(cpus):.1f} (min {min(cpus):.1f})"
     )
+    if args.profile:
+        _profiled(lambda: (step(batches[-1]), sync()), device, args.top)
+
+
+def _profiled(run, device: torch.device, top: int) -> None:
+    """One step under the torch profiler: its wall time beside the device's busy time (a step whose
+    kernels add up to much less than its wall is bound by the host), and the ops by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        run()
+    wall = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e3
+    print(
+        f"profiled step: wall {wall:.1f} ms (under the profiler), {'device' if cuda else 'CPU'} busy {busy:.1f} ms"
+    )
+    print(events.table(sort_by=key, row_limit=top))
 
 
 if __name__ == "__main__":
