@@ -247,7 +247,8 @@ def test_a_width_measured_only_at_smaller_batches_grows_as_the_widths_measured_a
     batches 4 and 16, the chains at 64 as well. Priced at 64 by its batch-16 gap, off scored 50k tok/s
     beside chains at 35-37k, where its iterations cost more than the 1-chain's, and the policy went
     off. A width past its measured batches now grows as the gaps of the widths measured at both grew;
-    with none measured at both, it keeps the nearest batch's gap."""
+    with none measured at both, it keeps the nearest batch's gap; plain decoding's (width 1) never
+    below the narrowest width's measured at this batch (`_floored`), other widths' not so floored."""
     costs = StepCosts()
     costs.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2, 3)], _flat_profile)
     costs.context = 300.0
@@ -271,7 +272,19 @@ def test_a_width_measured_only_at_smaller_batches_grows_as_the_widths_measured_a
             alone.observe(
                 VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
             )
-    assert alone.estimate(VERIFY, 64, 1) == pytest.approx(_flat_profile(64, 1) + 0.20 * MS)
+    assert alone.estimate(VERIFY, 64, 1) == pytest.approx(_flat_profile(64, 1) + 0.75 * MS)
+    assert alone.estimate(VERIFY, 16, 1) == pytest.approx(_flat_profile(16, 1) + 0.20 * MS)
+    assert alone.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.75 * MS)
+    # a chain width measured only at 16 keeps its own grown gap beside a wider one measured at 64
+    wide = StepCosts()
+    wide.profile(VERIFY, [(b, q) for b in (16, 64) for q in (2, 9)], _flat_profile)
+    wide.context = 300.0
+    for batch, width, gap in ((16, 2, 0.20), (64, 9, 0.75)):
+        for _ in range(3):
+            wide.observe(
+                VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
+            )
+    assert wide.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.20 * MS)
 
 
 def _flat_profile(batch: int, width: int) -> float:

@@ -54,13 +54,16 @@ below the narrowest, in proportion (all per row). A tier priced too dear is neve
 it, while one priced too cheap is run, measured, and priced by the fit through its own width.
 A width measured only at other batches takes the nearest batch's gap plus what the gaps of the
 widths measured both there and at this batch grew between the two (`_grown_to`); with none, the
-nearest batch's gap as it is. Kept flat, it priced plain decoding at batch 64 by its batch-16 gap
-beside chains measured at 64: on the H200 (twenty-ninth session, mixed prompts) the policy went off
-for 11 engine steps of a batch of 64, where plain loop iterations cost 1.83-2.00 ms and the
-1-chain's 1.59-1.95, and the static 2-chain made 1.7 tokens a verify at that cost. Grown, it still
+nearest batch's gap as it is; plain decoding's never less than that of the narrowest width measured
+at this batch (`_floored`: its loop reads each request's KV as the chains' do). Kept flat, it
+priced plain decoding at batch 64 by its batch-16 gap beside chains measured at 64: on the H200
+(twenty-ninth session, mixed prompts) the policy went off for 11 engine steps of a batch of 64,
+where plain loop iterations cost 1.83-2.00 ms and the 1-chain's 1.59-1.95, and the static 2-chain
+made 1.7 tokens a verify at that cost. Grown, it still
 went off there (thirtieth session): plain decoding's own gap grows with the batch faster than the
-chains' (a plain iteration at 64 costs about what a 2-chain's does), so this is a floor, not its
-price; the policy then measures it.
+chains' (a plain iteration at 64 costs about what a 2-chain's does), so growth alone is not its
+price. Hence the floor of the narrowest chain measured there (thirty-first session; not yet run on
+the GPU): still a floor (plain's wall beyond its replay was 1.5x the 2-chain's), then measured.
 At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
 order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
 early in a batch was priced above a wider one measured over most of it, and a wider one below a
@@ -298,8 +301,12 @@ class StepCosts:
         rows = {w: row for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not rows:
             return 0.0
-        at = _grown_to(
-            batch, {w: {b: gap.at(self.context) for b, gap in row.items()} for w, row in rows.items()}
+        at = _floored(
+            batch,
+            _grown_to(
+                batch, {w: {b: gap.at(self.context) for b, gap in row.items()} for w, row in rows.items()}
+            ),
+            {w: (min(row), max(row)) for w, row in rows.items()},
         )
         steps = {
             w: _clamped({b: float(gap.steps) for b, gap in row.items()}, batch) for w, row in rows.items()
@@ -455,6 +462,21 @@ def _grown_to(batch: int, gaps: dict[int, dict[int, float]]) -> dict[int, float]
         if growth:
             out[width] += sum(growth) / len(growth)
     return out
+
+
+def _floored(batch: int, gaps: dict[int, float], spans: dict[int, tuple[int, int]]) -> dict[int, float]:
+    """Each width's gap at `batch`; plain decoding's (width 1) where it was measured only at other
+    batches raised to at least the gap of the narrowest width measured around this one. Its loop reads
+    each request's KV as a chain's does, and that attention is most of a gap: grown from batch 16,
+    plain decoding's gap at 64 stayed under the chains' measured there, where a plain iteration's
+    wall beyond its replay was 0.61 ms against the 2-chain's 0.40 (H200, thirty-first session,
+    `scripts/profile_loop.py`), and the policy went off for a batch of 64 (thirtieth session). Only
+    plain decoding's: where the rows add to the gap (the H100's 8-chain: 1.65x the 2-chain's), a
+    wider width's gap would price a narrower one too dear, and a tier priced too dear is never run."""
+    here = sorted(w for w, (lo, hi) in spans.items() if lo <= batch <= hi)
+    if 1 not in gaps or not here or here[0] == 1:
+        return gaps
+    return {**gaps, 1: max(gaps[1], gaps[here[0]])}
 
 
 def _clamped(row: dict[int, float], batch: int) -> float:
