@@ -249,42 +249,35 @@ def test_a_width_measured_only_at_smaller_batches_grows_as_the_widths_measured_a
     off. A width past its measured batches now grows as the gaps of the widths measured at both grew;
     with none measured at both, it keeps the nearest batch's gap; plain decoding's (width 1) never
     below the narrowest width's measured at this batch (`_floored`), other widths' not so floored."""
-    costs = StepCosts()
-    costs.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2, 3)], _flat_profile)
-    costs.context = 300.0
     measured = {(16, 1): 0.20, (16, 2): 0.22, (16, 3): 0.25, (64, 2): 0.75, (64, 3): 0.84}
-    for (batch, width), gap in measured.items():
-        for _ in range(3):
-            costs.observe(
-                VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
-            )
+    costs = _loop_costs((1, 2, 3), measured)
     grown = 0.20 + ((0.75 - 0.22) + (0.84 - 0.25)) / 2
     assert costs.estimate(VERIFY, 64, 1) == pytest.approx(_flat_profile(64, 1) + grown * MS)
     assert costs.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.75 * MS)
     assert costs.estimate(VERIFY, 16, 1) == pytest.approx(_flat_profile(16, 1) + 0.20 * MS)
     # between measured batches the width's own line; with no width spanning both, as it was
     assert costs.estimate(VERIFY, 40, 2) == pytest.approx(_flat_profile(40, 2) + (0.22 + 0.53 / 2) * MS)
-    alone = StepCosts()
-    alone.profile(VERIFY, [(b, q) for b in (16, 64) for q in (1, 2)], _flat_profile)
-    alone.context = 300.0
-    for batch, width, gap in ((16, 1, 0.20), (64, 2, 0.75)):
-        for _ in range(3):
-            alone.observe(
-                VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
-            )
+    alone = _loop_costs((1, 2), {(16, 1): 0.20, (64, 2): 0.75})
     assert alone.estimate(VERIFY, 64, 1) == pytest.approx(_flat_profile(64, 1) + 0.75 * MS)
     assert alone.estimate(VERIFY, 16, 1) == pytest.approx(_flat_profile(16, 1) + 0.20 * MS)
     assert alone.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.75 * MS)
     # a chain width measured only at 16 keeps its own grown gap beside a wider one measured at 64
-    wide = StepCosts()
-    wide.profile(VERIFY, [(b, q) for b in (16, 64) for q in (2, 9)], _flat_profile)
-    wide.context = 300.0
-    for batch, width, gap in ((16, 2, 0.20), (64, 9, 0.75)):
+    wide = _loop_costs((2, 9), {(16, 2): 0.20, (64, 9): 0.75})
+    assert wide.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.20 * MS)
+
+
+def _loop_costs(widths: tuple[int, ...], gaps: dict[tuple[int, int], float]) -> StepCosts:
+    """Loop-step costs profiled at batches 16 and 64 for `widths`, each (batch, width) of `gaps`
+    measured three times that many ms past its profile, at contexts of 300 tokens."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(b, q) for b in (16, 64) for q in widths], _flat_profile)
+    costs.context = 300.0
+    for (batch, width), gap in gaps.items():
         for _ in range(3):
-            wide.observe(
+            costs.observe(
                 VERIFY, batch, width, _flat_profile(batch, width) + gap * MS, rows=True, context=300.0
             )
-    assert wide.estimate(VERIFY, 64, 2) == pytest.approx(_flat_profile(64, 2) + 0.20 * MS)
+    return costs
 
 
 def _flat_profile(batch: int, width: int) -> float:
