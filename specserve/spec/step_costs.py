@@ -63,7 +63,7 @@ made 1.7 tokens a verify at that cost. Grown, it still
 went off there (thirtieth session): plain decoding's own gap grows with the batch faster than the
 chains' (a plain iteration at 64 costs about what a 2-chain's does), so growth alone is not its
 price. Hence the floor of the narrowest chain measured there (thirty-first session; not yet run on
-the GPU): still a floor (plain's wall beyond its replay was 1.5x the 2-chain's), then measured.
+the GPU): at batch 64 a plain iteration's cost beyond its replay was about the 2-chain's.
 At one batch the measured widths' prices are then made non-decreasing in width, adjacent ones out of
 order pooled, weighted by the steps that measured them (`isotonic`): a width tried over a few steps
 early in a batch was priced above a wider one measured over most of it, and a wider one below a
@@ -467,12 +467,14 @@ def _grown_to(batch: int, gaps: dict[int, dict[int, float]]) -> dict[int, float]
 def _floored(batch: int, gaps: dict[int, float], spans: dict[int, tuple[int, int]]) -> dict[int, float]:
     """Each width's gap at `batch`; plain decoding's (width 1) where it was measured only at other
     batches raised to at least the gap of the narrowest width measured around this one. Its loop reads
-    each request's KV as a chain's does, and that attention is most of a gap: grown from batch 16,
-    plain decoding's gap at 64 stayed under the chains' measured there, where a plain iteration's
-    wall beyond its replay was 0.61 ms against the 2-chain's 0.40 (H200, thirty-first session,
-    `scripts/profile_loop.py`), and the policy went off for a batch of 64 (thirtieth session). Only
-    plain decoding's: where the rows add to the gap (the H100's 8-chain: 1.65x the 2-chain's), a
-    wider width's gap would price a narrower one too dear, and a tier priced too dear is never run."""
+    each request's KV as a chain's does, and that attention is most of a gap: on the H200 (thirty-first
+    session, MT-Bench, batch 64, `scripts/trace_steps.py`) a plain loop iteration took 1.30-1.45 ms
+    and the 2-chain's 1.28-1.72 over the same contexts, their replays 0.91 and 0.99 ms; the attention
+    took 13.5-17 us a layer in both, 3.5 in the replays. Grown from batch 16, plain decoding's gap at
+    64 stayed under the chains' measured there, and the policy went off for a batch of 64 (thirtieth
+    session). Only plain decoding's: where the rows add to the gap (the H100's 8-chain: 1.65x the
+    2-chain's), a wider width's gap would price a narrower one too dear, and a tier priced too dear is
+    never run."""
     here = sorted(w for w, (lo, hi) in spans.items() if lo <= batch <= hi)
     if 1 not in gaps or not here or here[0] == 1:
         return gaps
