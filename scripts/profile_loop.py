@@ -5,9 +5,9 @@ engine with the device loop (`specserve/engine/device_loop.py`), and times back-
 the verify bucket's graph and of the loop's iteration graph (draft lookup, input, the same forward,
 accept): the difference is the loop's glue on the device. Then a real run: MT-Bench prompts at
 that batch, 256 new tokens, greedy, EOS ignored; wall ms per loop iteration and tokens a verify.
-LOOP_KERNELS=1 prints the glue kernels of batch 1 (torch.profiler over 20 replays; LOOP_KERNELS=64: of
-batch 64). LOOP_STEPS=0 profiles plain decoding's loop (`make_plain_loop`) against the decode bucket. LOOP_HEAD=FOLDER
-profiles a head's loop instead (`specserve/engine/head_loop.py`: EAGLE-3 chains of LOOP_STEPS drafts;
+LOOP_KERNELS=1 prints the kernels of batch 1's forward and loop iteration (torch.profiler over 20
+replays; LOOP_KERNELS=64: batch 64's). LOOP_STEPS=0 profiles plain decoding's loop (`make_plain_loop`)
+against the decode bucket. LOOP_HEAD=FOLDER profiles a head's loop instead (`specserve/engine/head_loop.py`: EAGLE-3 chains of LOOP_STEPS drafts;
 LOOP_METHOD=mtp for an MTP head), whose "glue" is the head's drafting.
 
     LOOP_BATCHES=1,16 LOOP_STEPS=5,8 python3 -P scripts/profile_loop.py

@@ -277,17 +277,6 @@ def _responses_paths(args: argparse.Namespace, out: Path) -> list[Path]:
     return [Path(p) for p in args.responses.split(",") if p.strip()]
 
 
-def _shard(text: str) -> tuple[int, int]:
-    worker, _, count = text.partition("/")
-    try:
-        w, n = int(worker), int(count)
-    except ValueError:
-        raise ValueError(f"--shard: {text!r} is not W/N") from None
-    if not 0 <= w < n:
-        raise ValueError(f"--shard: {text!r} needs 0 <= W < N")
-    return w, n
-
-
 def _layer_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
@@ -351,7 +340,9 @@ def _data_phase(args: argparse.Namespace, loaded, out: Path) -> None:
         batch=args.gen_batch,
         stop_loops=args.stop_loops,
     )
-    worker, workers = _shard(args.shard)
+    from specserve.train.data import parse_shard
+
+    worker, workers = parse_shard(args.shard)
     paths = _responses_paths(args, out)
     if len(paths) != 1:
         raise ValueError("--responses: the data phase writes one file")

@@ -334,8 +334,7 @@ def unanswered_prompts(prompts: list, responses: Sequence[str | Path], chat_ids)
     answered: set[int] = set()
     for path in responses:
         samples = load_samples(path)
-        worker, _, count = str((samples.meta or {}).get("shard") or "0/1").partition("/")
-        w, n = int(worker), int(count)
+        w, n = parse_shard(str((samples.meta or {}).get("shard") or "0/1"))
         indices = [w + n * int(i) for i in samples.prompt_index]
         if not _holds_prompts(samples, indices, prompts, chat_ids):
             raise ValueError(
@@ -348,17 +347,28 @@ def unanswered_prompts(prompts: list, responses: Sequence[str | Path], chat_ids)
 CHECKED_PROMPTS = 200
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """`--shard W/N` (as a responses file records it): (W, N)."""
+    worker, _, count = text.partition("/")
+    try:
+        w, n = int(worker), int(count)
+    except ValueError:
+        raise ValueError(f"--shard: {text!r} is not W/N") from None
+    if not 0 <= w < n:
+        raise ValueError(f"--shard: {text!r} needs 0 <= W < N")
+    return w, n
+
+
 def _holds_prompts(samples: Samples, indices: list[int], prompts: list, chat_ids) -> bool:
     """Whether the samples' prompt tokens are those prompts' (all but 5% of those checked). Not the
     recorded fingerprint: tokenizer versions split a rare text differently (2 of 17,576 ShareGPT
     turns between the GPU machine's and this one's), which changes it for the whole list."""
     if any(i >= len(prompts) for i in indices):
         return False
-    starts = np.concatenate([[0], np.cumsum(samples.lengths)])
     picks = sorted(set(np.linspace(0, len(indices) - 1, min(CHECKED_PROMPTS, len(indices)), dtype=int)))
     wanted = chat_ids([prompts[indices[j]] for j in picks])
     same = sum(
-        samples.tokens[starts[j] : starts[j] + samples.prompt_lens[j]].tolist() == list(ids)
+        samples.sample(j)[: samples.prompt_lens[j]].tolist() == list(ids)
         for j, ids in zip(picks, wanted, strict=True)
     )
     return same >= 0.95 * len(picks)
