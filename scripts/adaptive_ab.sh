@@ -42,6 +42,8 @@ sys.path.insert(0, "scripts")
 from adaptive_targets import is_adaptive
 a, b = (json.load(open(p)) for p in sys.argv[1:3])
 adaptive = [r for r in b["rows"] if is_adaptive(r["system"])]
+for r in adaptive:  # B's rounds ran in another process: no ratio by round against A's
+    r["repeat_seconds"] = []
 a["rows"] = [r for r in a["rows"] if not is_adaptive(r["system"])] + adaptive
 json.dump(a, open(sys.argv[3], "w"))
 PY

@@ -24,8 +24,10 @@ def is_adaptive(system: str) -> bool:
 
 def check(report: dict) -> tuple[list[str], bool]:
     rows: dict[str, dict[int, float]] = {}
+    repeats: dict[tuple[str, int], list[float]] = {}
     for row in report["rows"]:
         rows.setdefault(row["system"], {})[row["batch_size"]] = row["tokens_per_s"]
+        repeats[row["system"], row["batch_size"]] = row.get("repeat_seconds") or []
     adaptive = [s for s in rows if is_adaptive(s)]
     static = [s for s in rows if s.startswith(PLAIN) and s not in adaptive]  # plain included
     mixed = "mixed" in str(report.get("dataset", ""))
@@ -36,13 +38,28 @@ def check(report: dict) -> tuple[list[str], bool]:
             ratio, plain = tps / rows[best][batch], tps / rows[PLAIN][batch]
             passed = ratio >= 0.97 and (batch != 64 or plain >= 0.95) and (not mixed or ratio > 1.0)
             ok &= passed
+            rounds = " ".join(f"{r:.3f}" for r in per_round(repeats, name, static, batch))
             lines.append(
                 f"{name} batch {batch}: {tps:,.0f} tok/s = {ratio:.3f}x best static ({best}), "
                 f"{plain:.3f}x plain  {'ok' if passed else 'MISSED'}"
+                + (f"  (by round: {rounds})" if rounds else "")
             )
         if mixed:
             lines.append(_over_the_workload(name, rows[name], {s: rows[s] for s in static}))
     return lines, ok
+
+
+def per_round(
+    repeats: dict[tuple[str, int], list[float]], name: str, static: list[str], batch: int
+) -> list[float]:
+    """Adaptive against the fastest static configuration of each round (the bench times every system
+    once a round, so the systems of one round share the machine's spell): how far the rows' ratio
+    is from noise. Empty where a system has no repeats of its own."""
+    own = repeats.get((name, batch), [])
+    others = [repeats.get((s, batch), []) for s in static]
+    if not own or any(len(times) != len(own) for times in others):
+        return []
+    return [min(times[i] for times in others) / seconds for i, seconds in enumerate(own)]
 
 
 def _over_the_workload(name: str, adaptive: dict[int, float], static: dict[str, dict[int, float]]) -> str:

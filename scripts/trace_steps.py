@@ -134,7 +134,9 @@ def traced_run(
 ) -> tuple[float, dict, list[float], list[int]]:
     engine = llm.engine
     times: dict[str, list[float]] = defaultdict(list)
-    per_iter = ITERATIONS
+    # a profiled run's steps are slower by the profiler's overhead (cProfile made a 1-chain's
+    # iterations at batch 64 look 3 ms against 1.4): only unprofiled runs feed the fits
+    per_iter = ITERATIONS if not (profile or torch_steps) else defaultdict(list)
     stamps: list[tuple[float, float]] = []
     sequence: list[str] = []  # TRACE_SEQ: each step's kind@tier[running requests]
     notes: list[str] = []  # TRACE_SEQ: the policy's scores where its standing tier changed

@@ -136,6 +136,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timed runs per engine and batch size (the lower median is reported: of two, the faster; default: 3)",
     )
     parser.add_argument(
+        "--warmup-rounds",
+        type=count(0),
+        default=1,
+        help="untimed rounds over every engine at each batch size before its timed ones: the first "
+        "run of a batch size ran 1.3-5x slower in the first engines of a round (H200, batch 64), a cost "
+        "of the shape, not of the system that happened to run first (default: 1)",
+    )
+    parser.add_argument(
         "--min-prompts",
         type=count(),
         default=16,
@@ -228,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
         # H200's plain decoding at batch 64 made 27k tok/s for a few seconds of a call where it
         # made 37k otherwise) then falls on one repeat of several systems, not on every repeat of one.
         runs: dict[str, list[tuple]] = {name: [] for name in engines}
+        for _ in range(args.warmup_rounds):
+            for engine in engines.values():
+                _time_engine(engine, batches, args.max_new_tokens, args.temperature)
         for _ in range(args.repeats):
             for name, engine in engines.items():
                 runs[name].append(_time_engine(engine, batches, args.max_new_tokens, args.temperature))
@@ -262,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
+        "warmup_rounds": args.warmup_rounds,
         "systems": {
             **{spec_name(spec): {"speculative": spec} for spec in specs},
             **({PLAIN_SYNC: {"speculative": None, "decode_steps": 0}} if args.plain_sync else {}),

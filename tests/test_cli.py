@@ -129,6 +129,36 @@ def test_bench_samples_at_a_temperature(tiny_folder, tmp_path):
     assert {r["system"] for r in report["rows"]} >= {"specserve", "specserve-ngram-2", "hf-generate"}
 
 
+def test_bench_runs_untimed_warm_up_rounds_before_the_timed_ones(tiny_folder, tmp_path, monkeypatch):
+    """`--warmup-rounds`: every engine runs each batch size's batches that many times untimed before
+    the timed rounds (the first run of a shape was slow in whichever engine ran it first), and the
+    report records it; the timed rows still hold one time per repeat."""
+    from specserve import bench
+
+    runs: list[tuple[str, int]] = []
+    time_engine = bench._time_engine
+
+    def counted(llm, batches, new_tokens, temperature=0.0):
+        runs.append((llm.engine.config.speculative is not None, len(batches[0])))
+        return time_engine(llm, batches, new_tokens, temperature)
+
+    monkeypatch.setattr(bench, "_time_engine", counted)
+    out = tmp_path / "warm.json"
+    argv = ["bench", "--model", str(tiny_folder), "--batch-sizes", "1,2", "--max-new-tokens", "3"]
+    argv += ["--device", "cpu", "--spec", "ngram:2", "--repeats", "2", "--warmup-rounds", "2"]
+    argv += ["--min-prompts", "1", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["warmup_rounds"] == 2
+    assert all(len(r["repeat_seconds"]) == 2 for r in report["rows"])
+    # per engine: the start-up warm-up (2 prompts), then 2 + 2 runs at each batch size
+    for speculative in (False, True):
+        sizes = [b for s, b in runs if s == speculative]
+        assert sizes == [2] + [1] * 4 + [2] * 4
+    with pytest.raises(SystemExit):
+        main([*argv[:-2], "--warmup-rounds", "-1", "--out", str(out)])
+
+
 def test_pull_unknown_asset_fails_cleanly(capsys):
     assert main(["pull", "no-such-asset"]) == 2  # a usage error
     assert "no-such-asset" in capsys.readouterr().err
