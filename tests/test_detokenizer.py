@@ -97,6 +97,36 @@ def test_chunked_pushes_and_empty_prompt(smollm2_tokenizer) -> None:
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_push_each_leaves_the_text_one_push_at_a_time_does(
+    smollm2_tokenizer, skip_special_tokens: bool
+) -> None:
+    """`push_each` (a request's unread ids detokenised together: two decodes, not two an id) leaves
+    after every call the text pushing its ids one at a time leaves: random ids split characters,
+    make invalid bytes and carry special tokens; real text carries multi-token characters."""
+    tok = smollm2_tokenizer
+    rng = random.Random(7 + skip_special_tokens)
+    specials = list(tok.all_special_ids)
+    texts = [tok.encode("".join(TEXTS.values()), add_special_tokens=False)]
+    for _ in range(30):
+        texts.append(
+            [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(40)]
+        )
+    for trial, ids in enumerate(texts):
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 8))]
+        one = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+        each = IncrementalDetokenizer(tok, prompt, skip_special_tokens)
+        at = 0
+        while at < len(ids):
+            size = rng.randint(0, 12)
+            for token_id in ids[at : at + size]:
+                one.push([token_id])
+            each.push_each(ids[at : at + size])
+            at += size
+            assert each.text == one.text, trial
+        assert each.text + each.flush() == one.text + one.flush(), trial
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_ids_equal_whole_decode(smollm2_tokenizer, skip_special_tokens: bool) -> None:
     tok = smollm2_tokenizer
     rng = random.Random(1234 + skip_special_tokens)

@@ -93,6 +93,23 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(full[len(prefix) :])
 
+    def push_each(self, token_ids: Sequence[int]) -> str:
+        """`push` of each id in turn, in one pair of decodes where they end on a complete character:
+        the text is then what one push at a time leaves (each emits all it decodes unless its window
+        ends mid-character), for two decodes, not two an id. Where they end mid-character, one at a
+        time: a single push would hold back every character of the ids, not just the last."""
+        if len(token_ids) < 2:
+            return self.push(token_ids)
+        window = self._ids[self._prefix_offset :]
+        full = self._decode([*window, *token_ids])
+        if full.endswith(_INCOMPLETE):
+            return "".join(self.push([token_id]) for token_id in token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._ids.extend(token_ids)
+        if len(full) <= len(prefix):
+            return ""
+        return self._emit(full[len(prefix) :])
+
     def flush(self) -> str:
         """Releases any held-back text (at the end of the output, incomplete characters included)."""
         if self._read_offset == len(self._ids):

@@ -74,11 +74,14 @@ class TextState:
         self._catch_up()
 
     def _catch_up(self) -> None:
-        # One token per call, as when each was pushed: the text cannot depend on when it is read.
-        for token_id in self._unread:
-            if self._starts is not None:
+        # As if each token had been pushed on its own (`push_each`): the text cannot depend on when
+        # it is read. Where each token's start is kept, one at a time.
+        if self._starts is None:
+            self._detok.push_each(self._unread)
+        else:
+            for token_id in self._unread:
                 self._starts.append(len(self._detok.text))
-            self._detok.push([token_id])
+                self._detok.push([token_id])
         self._unread.clear()
 
     def start_of(self, index: int) -> int | None:
