@@ -744,7 +744,7 @@ class Engine:
                 # a lookup that came out short is a miss past its end: the depth is the tier's
                 depth = min(flight.loop.num_steps, flight.limits[index] - len(req.token_ids) - 1)
                 verifies.append((depth, len(tokens) - 1))
-                self._count_verify(req, int(result.drafted[step, index]), len(tokens) - 1, adaptive=False)
+                self._count_verify(req, result.drafted_at(step, index), len(tokens) - 1, adaptive=False)
             records = None
             if req.params.return_logprob:
                 records = StepLogprobs(outputs=result.logprob_records(step, index, tokens, req))
