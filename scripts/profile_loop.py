@@ -4,7 +4,9 @@ For each batch in LOOP_BATCHES (default 1,16,64) and chain length LOOP_STEPS (de
 engine with the device loop (`specserve/engine/device_loop.py`), and times back-to-back replays of
 the verify bucket's graph and of the loop's iteration graph (draft lookup, input, the same forward,
 accept): the difference is the loop's glue on the device. Then a real run: MT-Bench prompts at
-that batch, 256 new tokens, greedy, EOS ignored; wall ms per loop iteration and tokens a verify.
+that batch, 256 new tokens, greedy, EOS ignored: the run's wall over the loop iterations it planned
+(prefill and iterations planned past a request's end included: not an iteration's price, which
+`scripts/trace_steps.py`'s fit by context gives) and tokens a verify.
 LOOP_KERNELS=1 prints the kernels of batch 1's forward and loop iteration (torch.profiler over 20
 replays; LOOP_KERNELS=64: batch 64's). LOOP_STEPS=0 profiles plain decoding's loop (`make_plain_loop`)
 against the decode bucket. LOOP_HEAD=FOLDER profiles a head's loop instead (`specserve/engine/head_loop.py`: EAGLE-3 chains of LOOP_STEPS drafts;
@@ -52,7 +54,7 @@ def main() -> None:
     texts = prompt_texts("mt-bench", seed=0)[: max(BATCHES)]
     prompts = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     print(
-        "| batch | steps | verify replay us | loop iteration us | glue us | wall us / iteration | tokens / verify | tok/s |"
+        "| batch | steps | verify replay us | loop iteration us | glue us | run wall us / planned iteration | tokens / verify | tok/s |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for steps in STEPS:
