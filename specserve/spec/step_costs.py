@@ -301,13 +301,9 @@ class StepCosts:
         rows = {w: row for (k, w), row in self._loop_gap.items() if k == kind and row}
         if not rows:
             return 0.0
-        at = _floored(
-            batch,
-            _grown_to(
-                batch, {w: {b: gap.at(self.context) for b, gap in row.items()} for w, row in rows.items()}
-            ),
-            {w: (min(row), max(row)) for w, row in rows.items()},
-        )
+        spans = {w: (min(row), max(row)) for w, row in rows.items()}  # the batches each width measured
+        gaps = {w: {b: gap.at(self.context) for b, gap in row.items()} for w, row in rows.items()}
+        at = _floored(batch, _grown_to(batch, gaps, spans), spans)
         steps = {
             w: _clamped({b: float(gap.steps) for b, gap in row.items()}, batch) for w, row in rows.items()
         }
@@ -441,14 +437,16 @@ def _slope(row: dict[int, float], sizes: list[int]) -> float:
     return max(sum((b - mean_b) * (row[b] - mean_v) for b in sizes) / spread, 0.0)
 
 
-def _grown_to(batch: int, gaps: dict[int, dict[int, float]]) -> dict[int, float]:
+def _grown_to(
+    batch: int, gaps: dict[int, dict[int, float]], spans: dict[int, tuple[int, int]]
+) -> dict[int, float]:
     """Each width's gap at `batch` from its row (batch -> gap): linear between the batches that
     measured it; past them the nearest one's, plus what the gaps of the widths measured at both that
     batch and this one grew between them (their mean), else the nearest one's as it is. A loop gap
     is mostly attention over the requests' contexts, read once a request whatever its rows, so it
     grows with the batch alike for every width; kept flat, plain decoding's batch-16 gap priced it at
-    batch 64 beside chains measured there, and the policy went off (the module docstring)."""
-    spans = {w: (min(row), max(row)) for w, row in gaps.items()}
+    batch 64 beside chains measured there, and the policy went off (the module docstring). `spans`:
+    each width's least and greatest measured batch."""
     out = {}
     for width, row in gaps.items():
         lo, hi = spans[width]
