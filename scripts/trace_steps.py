@@ -9,7 +9,8 @@ tokens, greedy, EOS ignored, and times every `Engine.step` on the host. Each ste
 - `loop`: a run was settled (with or without the next one queued: `loop-last` when none was);
 - `sync`: the synchronous path (plain decode, or a speculative step drafted on the host).
 
-Prints per system the bench's tok/s, then the time and count per kind (with adaptive speculation,
+Prints per system the bench's tok/s, then the time and count per kind and its host phases summed (a loop
+step's `target` is its wait for the device: what is left is host work; with adaptive speculation,
 per kind and tier: `loop@3`, `sync@off`), and the gaps between steps; then, per chain length, what a
 loop iteration cost against the requests' mean context (runs queued behind the one before: their
 step's wall over their iterations; a least-squares line and the means by context quartile). The
@@ -139,6 +140,7 @@ def traced_run(
     per_iter = ITERATIONS if not (profile or torch_steps) else defaultdict(list)
     stamps: list[tuple[float, float]] = []
     sequence: list[str] = []  # TRACE_SEQ: each step's kind@tier[running requests]
+    phases: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))  # kind -> phase -> s
     notes: list[str] = []  # TRACE_SEQ: the policy's scores where its standing tier changed
     original = engine.step
     profiler = cProfile.Profile() if profile else None
@@ -177,6 +179,8 @@ def traced_run(
                 sequence.append(f"{kind}[{len(engine.scheduler.running)}]")
                 _note_switch(engine.adaptive.policy, len(stamps), notes)
         times[kind].append(end - start)
+        for phase, seconds in engine._stats.phases.items():  # the loop's wait for the device: "target"
+            phases[kind][phase] += seconds
         stamps.append((start, end))
         return out
 
@@ -232,6 +236,8 @@ def traced_run(
         print("\n".join(notes))
     gaps = [b[0] - a[1] for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
     verifies = [o.meta.get("spec_verify_ct", 0) for o in outs]
+    for kind, by_phase in phases.items():  # reported beside the kind's steps
+        times[kind + " phases"] = by_phase
     return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies
 
 
@@ -244,6 +250,10 @@ def report(name: str, p: int, batch: list, run: tuple[float, dict, list[float], 
         f"a request's: {min(verifies)} to {max(verifies)}, the slowest's sets the batch's end)"
     )
     for kind, ts in sorted(times.items()):
+        if isinstance(ts, dict):  # its steps' host phases; in a loop step "target" is the wait for the device
+            cells = " ".join(f"{phase} {seconds * 1e3:.2f}" for phase, seconds in sorted(ts.items()))
+            print(f"    ms by phase: {cells}")
+            continue
         print(
             f"  {kind:11s} {len(ts):4d} steps {sum(ts) * 1e3:8.2f} ms  (mean {sum(ts) / len(ts) * 1e3:.3f})"
         )
