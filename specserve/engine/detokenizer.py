@@ -86,12 +86,7 @@ class IncrementalDetokenizer:
         """Add output ids; returns the text they finalised ("" while a character is incomplete)."""
         if not token_ids:
             return ""
-        self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
-            return ""
-        return self._emit(full[len(prefix) :])
+        return self._take(token_ids, self._decode([*self._ids[self._prefix_offset :], *token_ids]))
 
     def push_each(self, token_ids: Sequence[int]) -> str:
         """`push` of each id in turn, in one pair of decodes where they end on a complete character:
@@ -100,13 +95,16 @@ class IncrementalDetokenizer:
         time: a single push would hold back every character of the ids, not just the last."""
         if len(token_ids) < 2:
             return self.push(token_ids)
-        window = self._ids[self._prefix_offset :]
-        full = self._decode([*window, *token_ids])
+        full = self._decode([*self._ids[self._prefix_offset :], *token_ids])
         if full.endswith(_INCOMPLETE):
             return "".join(self.push([token_id]) for token_id in token_ids)
+        return self._take(token_ids, full)
+
+    def _take(self, token_ids: Sequence[int], full: str) -> str:
+        """`token_ids` added, `full` the window's decode with them: the text they finalised."""
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         self._ids.extend(token_ids)
-        if len(full) <= len(prefix):
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
             return ""
         return self._emit(full[len(prefix) :])
 
