@@ -132,7 +132,7 @@ def context_fit(samples: list[tuple[float, float]]) -> str:
 
 def traced_run(
     llm, prompts: list[list[int]], profile: int = 0, torch_steps: int = 0
-) -> tuple[float, dict, list[float], list[int]]:
+) -> tuple[float, dict, list[float], list[int], dict]:
     engine = llm.engine
     times: dict[str, list[float]] = defaultdict(list)
     # a profiled run's steps are slower by the profiler's overhead (cProfile made a 1-chain's
@@ -236,13 +236,11 @@ def traced_run(
         print("\n".join(notes))
     gaps = [b[0] - a[1] for a, b in zip(stamps[:-1], stamps[1:], strict=True)]
     verifies = [o.meta.get("spec_verify_ct", 0) for o in outs]
-    for kind, by_phase in phases.items():  # reported beside the kind's steps
-        times[kind + " phases"] = by_phase
-    return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies
+    return wall, times, [stamps[0][0] - start, stamps[-1][1] - start - wall] + gaps, verifies, phases
 
 
-def report(name: str, p: int, batch: list, run: tuple[float, dict, list[float], list[int]]) -> None:
-    wall, times, gaps, verifies = run
+def report(name: str, p: int, batch: list, run: tuple[float, dict, list[float], list[int], dict]) -> None:
+    wall, times, gaps, verifies, phases = run
     tokens, total = TOKENS * len(batch), sum(verifies)
     print(
         f"\n## {name} prompt {p} batch {len(batch)}: {tokens / wall:,.0f} tok/s, "
@@ -250,13 +248,14 @@ def report(name: str, p: int, batch: list, run: tuple[float, dict, list[float], 
         f"a request's: {min(verifies)} to {max(verifies)}, the slowest's sets the batch's end)"
     )
     for kind, ts in sorted(times.items()):
-        if isinstance(ts, dict):  # its steps' host phases; in a loop step "target" is the wait for the device
-            cells = " ".join(f"{phase} {seconds * 1e3:.2f}" for phase, seconds in sorted(ts.items()))
-            print(f"    ms by phase: {cells}")
-            continue
         print(
             f"  {kind:11s} {len(ts):4d} steps {sum(ts) * 1e3:8.2f} ms  (mean {sum(ts) / len(ts) * 1e3:.3f})"
         )
+        if kind in phases:  # its steps' host phases; in a loop step "target" is the wait for the device
+            cells = " ".join(
+                f"{phase} {seconds * 1e3:.2f}" for phase, seconds in sorted(phases[kind].items())
+            )
+            print(f"    ms by phase: {cells}")
     print(
         f"  before first step {gaps[0] * 1e3:.2f} ms, after last {gaps[1] * 1e3:.2f} ms, "
         f"between steps {sum(gaps[2:]) * 1e3:.2f} ms over {len(gaps) - 2}"
