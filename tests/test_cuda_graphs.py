@@ -147,9 +147,10 @@ def test_padding_touches_no_real_slot():
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_steps": 3, "device_steps": 0}])
 def test_graphed_steps_equal_eager(target, graphed_runs, page_size, speculative):
     prompts = _prompts(5)
-    reference = _llm(target, False, page_size, speculative=speculative).generate(prompts, _params(5))
+    host = {"decode_steps": 0} if speculative is None else {}  # plain decoding's loop takes them too
+    reference = _llm(target, False, page_size, speculative=speculative, **host).generate(prompts, _params(5))
     assert not graphed_runs
-    llm = _llm(target, True, page_size, speculative=speculative)
+    llm = _llm(target, True, page_size, speculative=speculative, **host)
     assert_same_outputs(llm.generate(prompts, _params(5)), reference)
     assert len({b for b, _ in graphed_runs}) >= 2  # several batch buckets, with pad requests
     if speculative:  # verify steps ran in the (batch, num_steps + 1) graphs, and drafts were accepted

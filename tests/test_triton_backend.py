@@ -32,6 +32,7 @@ from specserve.engine.step_input import build_step_input
 from specserve.model.head_checkpoint import random_head, save_head
 from specserve.model.loader import load_model
 from specserve.model.tokenizer import load_tokenizer
+from specserve.spec.drafter import resolve_drafts
 
 from engine_utils import agreement, assert_same_outputs, last_logits, max_rel_error
 from tiny_models import save_tiny_llama3
@@ -193,7 +194,8 @@ def test_model_drafters_attend_with_the_triton_kernels(
     else:
         kw = {"draft_vocab_size": 64} if method == "eagle3" else {"num_modules": 2}
         draft = save_head(tmp_path / method, *random_head(method, small_target.arch, seed=5, **kw))
-    spec = {"method": method, "draft_model": str(draft), **shape}
+    # Host steps: on CUDA a chain's device loop drafts inside its graphs, not through `draft`
+    spec = {"method": method, "draft_model": str(draft), "device_steps": 0, **shape}
     params = _params(12)
     runs = {}
     for backend in ("torch", "triton"):
@@ -209,14 +211,18 @@ def test_model_drafters_attend_with_the_triton_kernels(
 
 
 def _record_drafts(drafter) -> list[list[int]]:
-    """Every draft the drafter proposes, in order (its `draft` / `draft_tree` wrapped)."""
+    """Every draft the drafter proposes, in order (its `draft` / `draft_tree` wrapped). A chain its
+    CUDA graphs drafted holds placeholders for drafts still on the device: read them where they are."""
     drafts: list[list[int]] = []
     for name in ("draft", "draft_tree"):
         inner = getattr(drafter, name)
 
         def wrapped(reqs, *args, inner=inner):
             inner(reqs, *args)
-            drafts.extend(list(r.draft or []) for r in reqs)
+            graphs = getattr(drafter, "graphs", None)
+            pending = graphs.pending if graphs is not None else None
+            chains = [list(r.draft or []) for r in reqs]
+            drafts.extend(resolve_drafts(chains, pending.tolist()) if pending is not None else chains)
 
         setattr(drafter, name, wrapped)
     return drafts
