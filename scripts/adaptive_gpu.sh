@@ -18,6 +18,15 @@ OUT=${OUT:-/tmp/specserve-out}
 # gpu_check.sh's set-up only (wheels into /tmp/site, the model and MT-Bench into the cache, nvidia-smi).
 OUT=$OUT SKIP_GPU_TESTS=1 SKIP_KERNELS=1 SKIP_BENCH=1 bash scripts/gpu_check.sh
 export PYTHONPATH=/tmp/site SPECSERVE_CACHE=$HOME/spcache SPECSERVE_REPORT_DIR=$OUT PYTHONUNBUFFERED=1
+# The GPU's clocks, power and clock-event reasons every 500 ms while the benches run (UTC timestamps;
+# the older driver field name where the newer one is unknown): scripts/bench_rounds.py sets each
+# repeat beside them, to tell a slow repeat's device from its host.
+CLOCKS=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
+(TZ=UTC nvidia-smi --query-gpu=$CLOCKS,clocks_event_reasons.active --format=csv,noheader,nounits -lms 500 2>/dev/null ||
+  TZ=UTC nvidia-smi --query-gpu=$CLOCKS,clocks_throttle_reasons.active --format=csv,noheader,nounits -lms 500) \
+  > "$OUT/gpu_clocks.csv" 2>&1 &
+clock_log=$!
+trap 'kill $clock_log 2>/dev/null' EXIT
 specs=()
 for spec in ${STATIC:-ngram:1 ngram:2 ngram:4 ngram:8} ${ADAPTIVE:-ngram:adaptive-8}; do specs+=(--spec "$spec"); done
 for dataset in ${DATASETS:-mt-bench mixed}; do
@@ -29,3 +38,4 @@ for dataset in ${DATASETS:-mt-bench mixed}; do
     --out "$OUT/adaptive-$dataset.json" 2>&1 | grep -v "it/s" | tee "$OUT/adaptive-$dataset.log"
 done
 python3 -P scripts/adaptive_targets.py "$OUT"/adaptive-*.json 2>&1 | tee "$OUT/adaptive-targets.log"
+python3 -P scripts/bench_rounds.py "$OUT"/adaptive-*.json --clocks "$OUT/gpu_clocks.csv" > "$OUT/bench-rounds.log" 2>&1

@@ -14,12 +14,13 @@ import argparse
 import gc
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from specserve.bench_data import add_dataset_arguments, cycle, prompt_texts
+from specserve.bench_host import HostSample
 from specserve.bench_plot import plot_throughput
 from specserve.bench_report import format_table, run_info, write_json
 from specserve.cli_spec_args import (
@@ -63,6 +64,9 @@ class BenchRow:
     # every repeat's seconds in the order run (`--repeats`; rounds over the systems): their spread
     # shows a slow spell of the machine that one repeat caught
     repeat_seconds: list[float] | None = None
+    # beside each repeat, what the host did meanwhile (`bench_host.HostSample.until`): its start,
+    # the process's CPU seconds, the machine's idle and stolen seconds
+    repeat_host: list[dict[str, float | None]] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -239,14 +243,18 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.warmup_rounds):
             for engine in engines.values():
                 _time_engine(engine, batches, args.max_new_tokens, args.temperature)
+        hosts: dict[str, list[dict[str, float | None]]] = {name: [] for name in engines}
         for _ in range(args.repeats):
             for name, engine in engines.items():
+                before = HostSample.now()
                 runs[name].append(_time_engine(engine, batches, args.max_new_tokens, args.temperature))
+                hosts[name].append(before.until(HostSample.now()))
         for name, timed in runs.items():
             # The lower median: of two runs the faster, as a late kernel compile lands in one run only.
             run = sorted(timed, key=lambda run: run[0])[(len(timed) - 1) // 2]
             repeats = [round(t[0], 6) for t in timed]
-            rows.append(_row(name, b, args.max_new_tokens, *run, batches=len(batches), repeats=repeats))
+            row = _row(name, b, args.max_new_tokens, *run, batches=len(batches), repeats=repeats)
+            rows.append(replace(row, repeat_host=hosts[name]))
         if hf is not None:
             seconds = _time_hf(hf, plain, batch, args.max_new_tokens, temperature=args.temperature)
             rows.append(_row(HF, b, args.max_new_tokens, seconds))

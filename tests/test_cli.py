@@ -253,6 +253,9 @@ def test_bench_repeats_in_rounds_over_the_systems(tiny_folder, tmp_path, monkeyp
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["specserve"]["seconds"] == 96.0 and rows["specserve-ngram-3"]["seconds"] == 95.0
     assert rows["specserve"]["repeat_seconds"] == [98.0, 96.0]  # every repeat, in the order run
+    hosts = rows["specserve"]["repeat_host"]  # beside each repeat, what the host did meanwhile
+    assert len(hosts) == 2 and hosts[0]["started_at"] <= hosts[1]["started_at"]
+    assert all(h["cpu_seconds"] >= 0 for h in hosts)
 
 
 def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys):
