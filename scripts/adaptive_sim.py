@@ -25,7 +25,11 @@ fifth session's run after its cost-model fix; `first`: the one before, whose pla
 `twelfth`, issue 9's twelfth H100 run (the eleventh session's first, docs/benchmarks.md): chain tiers
 in the device loop, `LOOP_PROFILE`, as the engine runs n-gram chains since the
 eighth session: a run of `LOOP_RUN` verifies an engine step, its step time fed back as
-`Engine._observe_loop` does).
+`Engine._observe_loop` does; `h200`: the same on the H200's loop-iteration ms of the thirty-third
+session, `H200_LOOP`, with `--flat-context 0`, its static rows beside; with `--replay 64` it has
+`drain_thinning` at least level with the default in five of six cells, batch 4 / 16 / 64:
+MT-Bench 1.01 / 1.00 / 1.02x the best static against 1.02 / 1.00 / 1.00, mixed 1.00 / 0.95 / 1.02
+against 0.94 / 0.95 / 0.99; its default speculates at batch 16 where the H200's stayed off).
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
@@ -233,6 +237,38 @@ H100["twelfth"] = {  # the device loop's costs above (`Clock.loop`)
     "mixed": {"plain": LOOP_PLAIN, "tok/s": _NO_ROW},
 }
 
+# The H200's device loop (thirty-third session, f703a4e, `adaptive_gpu.sh REPEATS=3`): the adaptive
+# engines' own loop-iteration ms by batch and chain (their steady steps where they ran, else the
+# policy's price), with the requests' contexts in them already (run it with `--flat-context 0`);
+# batch 1 from the thirty-first session's plain row (1,550 tok/s) and the chains a guess (not run).
+H200_LOOP = {
+    1: {1: 0.75, 2: 0.76, 4: 0.78, 8: 0.80},
+    4: {1: 0.88, 2: 0.90, 4: 1.02, 8: 1.05},
+    16: {1: 1.00, 2: 1.06, 4: 1.10, 8: 1.14},
+    64: {1: 1.29, 2: 1.30, 4: 1.50, 8: 1.73},
+}
+H200_PLAIN = {1: 0.645, 4: 0.76, 16: 0.97, 64: 1.25}
+H200_TOK_S = {  # that call's medians (batch 1 not run)
+    "mt-bench": {
+        "off": {1: 0, 4: 4954, 16: 15016, 64: 45463},
+        "1": {1: 0, 4: 5196, 16: 16207, 64: 51968},
+        "2": {1: 0, 4: 5127, 16: 16244, 64: 50474},
+        "4": {1: 0, 4: 4860, 16: 16087, 64: 48522},
+        "8": {1: 0, 4: 4771, 16: 15722, 64: 42016},
+        "adaptive": {1: 0, 4: 5074, 16: 15551, 64: 51181},
+    },
+    "mixed": {
+        "off": {1: 0, 4: 4571, 16: 13040, 64: 33292},
+        "1": {1: 0, 4: 5158, 16: 14425, 64: 36348},
+        "2": {1: 0, 4: 5212, 16: 14764, 64: 36419},
+        "4": {1: 0, 4: 4869, 16: 14654, 64: 39092},
+        "8": {1: 0, 4: 4784, 16: 14060, 64: 35065},
+        "adaptive": {1: 0, 4: 5005, 16: 13486, 64: 39712},
+    },
+}
+H100["h200"] = {workload: {"plain": H200_PLAIN, "tok/s": rows} for workload, rows in H200_TOK_S.items()}
+LOOPS = {"twelfth": (LOOP_PROFILE, LOOP_PLAIN), "h200": (H200_LOOP, H200_PLAIN)}  # runs clocked as loops
+
 # The static chains' accept lengths on the H100 (accepted drafts + 1 per verify; greedy, so both runs'),
 # what the text model below is fitted to.
 ACCEPT = {
@@ -412,7 +448,8 @@ class Clock:
         self.prompt, self.prefill_us, self.transition = PROMPT_TOKENS[workload], prefill_us, transition
         self.first_ms = first_ms
         self._seen: set[tuple[int, int, int]] = set()  # (engine, chain, batch) verified before
-        self.loop = run == "twelfth"  # chain tiers run in the device loop (`LOOP_PROFILE`)
+        self.loop = run in LOOPS  # chain tiers run in the device loop (`LOOPS`)
+        self.loop_profile, self.loop_plain = LOOPS.get(run, (LOOP_PROFILE, LOOP_PLAIN))
         self.switch_settles = switch_settles  # a switch of chain tier starts a fresh run (the old loops)
 
     def first_time(self, engine: object, drafts: int, batch: int) -> float:
@@ -432,13 +469,13 @@ class Clock:
         return 0.5 + self.prefill_us * 1e-3 * self.prompt * batch
 
     def plain_ms(self, batch: int) -> float:
-        return by_batch(LOOP_PLAIN if self.loop else self.table["plain"], batch)
+        return by_batch(self.loop_plain if self.loop else self.table["plain"], batch)
 
     def loop_ms(self, drafts: int, batch: int, context: float, profiled: bool = False) -> float:
         """A device-loop step of the chain whose bucket fits `drafts` over `batch` requests of
         `context` tokens on average (`profiled`: as the start-up profile times it, no context)."""
         chain = next((c for c in CHAINS if c >= drafts), CHAINS[-1])
-        base = by_batch({b: row[chain] for b, row in LOOP_PROFILE.items()}, batch)
+        base = by_batch({b: row[chain] for b, row in self.loop_profile.items()}, batch)
         if profiled:
             return base
         context = context if self.flat_context is None else self.flat_context
@@ -816,7 +853,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(TEXT), default="mixed")
     parser.add_argument(
-        "--run", choices=sorted(H100), default="sixth", help="which H100 run clocks the steps"
+        "--run",
+        choices=sorted(H100),
+        default="sixth",
+        help="which GPU run clocks the steps (h200: the H200's loop)",
     )
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--tokens", type=int, default=256)
@@ -912,6 +952,9 @@ def main() -> int:
         args.no_shadows,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
+    chip = (
+        "H200" if args.run == "h200" else "H100"
+    )  # whose rows stand beside the figures (accepts: the H100's)
     statics = (OFF, *(Tier.chain(c) for c in CHAINS))
     # one engine per system for every batch size, each warmed up first, as the bench runs them
     adaptive = new_adaptive(clock)
@@ -942,10 +985,10 @@ def main() -> int:
         }
         print(
             f"b{batch}: "
-            + " ".join(f"{k} {v:,.0f} (H100 {gpu[k][batch]:,})" for k, v in rates.items())
+            + " ".join(f"{k} {v:,.0f} ({chip} {gpu[k][batch]:,})" for k, v in rates.items())
             + "\n  accept "
             + " ".join(f"{k} {accepts[k]:.2f} (H100 {accept[k][batch]:.2f})" for k in accept)
-            + f"\n  adaptive {rate:,.0f} (H100 {gpu['adaptive'][batch]:,}) = {ratio:.2f}x best ({best}), "
+            + f"\n  adaptive {rate:,.0f} ({chip} {gpu['adaptive'][batch]:,}) = {ratio:.2f}x best ({best}), "
             + f"{plain:.2f}x plain  {'ok' if ok else 'MISSED'}; steps per tier {used}"
         )
         d = adaptive.diagnostics(batch)

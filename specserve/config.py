@@ -108,6 +108,7 @@ class AdaptiveConfig:
     `calibration_fade`: how fast each tier's correction by its measured steps forgets, per step of
     the tier (`specserve/spec/calibration.py`; None: predictions uncorrected); `drain_strength`: the
     pool's weight in a request's rates where the drain forecasts its end (None: `prior_strength`);
+    `drain_thinning`: the drain prices the steps after a request ends at the requests still running;
     `hysteresis` None: `MODEL_HYSTERESIS` with a model drafter, `NGRAM_HYSTERESIS` with n-gram."""
 
     tiers: tuple[tuple[int, int, int], ...] | None = None
@@ -124,6 +125,7 @@ class AdaptiveConfig:
     shadow_lookups: int = 2
     calibration_fade: float | None = 0.8
     drain_strength: float | None = None
+    drain_thinning: bool = False
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
@@ -156,6 +158,7 @@ class AdaptiveConfig:
         )
         _require(0 <= self.cost_alpha <= 1, f"{name}.cost_alpha", "must be in [0, 1] (0: keep the profile)")
         _require(isinstance(self.profile, bool), f"{name}.profile", "must be true or false")
+        _require(isinstance(self.drain_thinning, bool), f"{name}.drain_thinning", "must be true or false")
         _require(
             _is_count(self.shadow_lookups, 0),
             f"{name}.shadow_lookups",

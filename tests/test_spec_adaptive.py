@@ -9,7 +9,13 @@ import pytest
 
 from specserve.spec.acceptance import AcceptanceTracker, expected_tokens
 from specserve.spec.adaptive import OFF, AdaptivePolicy, Tier, default_tiers
-from specserve.spec.draft_depths import VerifyShapes, drain_depths, goodput_depths
+from specserve.spec.draft_depths import (
+    VerifyShapes,
+    drain_depths,
+    goodput_depths,
+    padded_batch,
+    thinned_drain_seconds,
+)
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, VERIFY, StepCosts
 
 MS = 1e-3
@@ -823,6 +829,61 @@ def test_the_drain_forecasts_a_request_s_end_with_the_pool_weighed_as_drain_stre
     assert score[OFF] > score[Tier.chain(1)]
     assert forecast[Tier.chain(1)] > forecast[OFF]
     assert same == goodput
+
+
+def test_a_thinned_drain_prices_each_stretch_at_the_requests_still_running():
+    """Requests ending after 2, 4, 8 and 8 steps, a step over n running costing n ms: 2 steps of 4,
+    2 of 3, 4 of 2, where the whole batch's price for all 8 steps makes 32."""
+    ms = thinned_drain_seconds([1.0, 1.0, 2.0, 4.0], [2, 4, 16, 32], lambda n: n * MS)
+    assert ms == pytest.approx(2 * 4 * MS + 2 * 3 * MS + 4 * 2 * MS)
+    assert thinned_drain_seconds([1.0] * 3, [5, 5, 5], lambda n: {1: 0, 2: 0, 3: 2 * MS}[n]) == pytest.approx(
+        10 * MS
+    )
+    # priced by padded sizes (1, 2, 4, 8, 16, 24): each asked once, the sum as over every count
+    rng = random.Random(3)
+    tokens, left = [rng.uniform(1, 3) for _ in range(21)], [rng.randrange(10, 200) for _ in range(21)]
+    asked: list[int] = []
+
+    def price(n: int) -> float:
+        asked.append(n)
+        return (0.5 + 0.03 * padded_batch(n)) * MS
+
+    ends = sorted(r / t for t, r in zip(tokens, left, strict=True))
+    each = sum((e - b) * price(21 - j) for j, (b, e) in enumerate(zip([0.0, *ends[:-1]], ends, strict=True)))
+    asked.clear()
+    assert thinned_drain_seconds(tokens, left, price, padded_batch) == pytest.approx(each)
+    assert asked == [1, 2, 3, 5, 9, 17]
+
+
+def test_with_drain_thinning_a_slow_requests_tail_is_priced_at_a_small_batch():
+    """15 requests accepting ~0.9 of their 1-chain drafts and one whose last 10 were rejected
+    (~1.2 tokens a step), 200 tokens to go each. Priced at the whole batch's 1.15 ms a step until
+    the slow one ends (~166 steps), the 1-chain ends the batch later than decoding at 0.92 ms: off.
+    Its 15 fast requests end at ~101 steps, after which the slow one runs alone, at batch 1's 0.5
+    ms: the 1-chain ends it first."""
+    c = StepCosts()
+    table = {(1, 1): 0.45, (1, 2): 0.5, (16, 1): 0.92, (16, 2): 1.15}
+    c.profile(VERIFY, list(table), lambda b, q: table[b, q] * MS)
+    c.profile(DRAFT, [(1, 1), (16, 1)], lambda b, w: 1e-6)
+    ids = [f"r{i}" for i in range(15)] + ["slow"]
+    acceptance = AcceptanceTracker(1, pooled_alpha=0.001)
+    for i in range(300):
+        acceptance.observe(ids[i % 15], 1, drafted=1, accepted=int(i % 10 < 9), batch=16)
+    for _ in range(10):
+        acceptance.observe("slow", 1, drafted=1, accepted=0, batch=16)
+
+    def scores(thinning: bool) -> tuple[dict[Tier, float], dict[Tier, float]]:
+        tiers = [OFF, Tier.chain(1)]
+        policy = AdaptivePolicy(
+            tiers, c, acceptance, shapes=VerifyShapes((1, 2), 16), drain_thinning=thinning
+        )
+        scored = policy._score(tuple(ids), [200] * 16)
+        return scored.score, scored.goodput
+
+    (whole, goodput), (thinned, same) = scores(False), scores(True)
+    assert whole[OFF] > whole[Tier.chain(1)]
+    assert thinned[Tier.chain(1)] > thinned[OFF] == pytest.approx(whole[OFF])  # all of off's end at once
+    assert same == goodput  # a step's goodput as before
 
 
 def test_a_batch_grown_fourfold_decides_afresh():

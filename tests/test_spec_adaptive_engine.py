@@ -617,6 +617,7 @@ def test_hysteresis_defaults_by_drafter(method, given, used):
         ({"calibration_fade": "slow"}, "calibration_fade"),
         ({"drain_strength": 0}, "drain_strength"),
         ({"drain_strength": "strong"}, "drain_strength"),
+        ({"drain_thinning": "sometimes"}, "drain_thinning"),
         ({"tiers": []}, "tiers"),
         ({"tiers": ["9"]}, "tiers"),  # past the configured num_steps
         ({"tiers": ["2x2x2"]}, "tiers"),  # a tree while topk is 1
@@ -640,3 +641,22 @@ def test_bad_adaptive_settings_name_the_field(adaptive, field):
         ServeConfig(device="cpu", speculative=spec)
     with pytest.raises(argparse.ArgumentTypeError):
         parse_spec("ngram:adaptive-x")
+
+
+def test_the_drains_settings_reach_the_policy_from_a_spec_string_and_the_serve_config():
+    """`drain_thinning` and `drain_strength` as a bench `--spec` gives them and as `serve deploy`'s
+    config does: both reach the policy; left out, neither is on."""
+    from specserve.cli_spec_args import parse_spec
+    from specserve.engine.adaptive_control import AdaptiveSpeculation
+    from specserve.serve.config import ServeConfig
+
+    spec = parse_spec("ngram:adaptive-4,drain_thinning=true,drain_strength=20")
+    spec["adaptive"]["profile"] = False
+    policy = AdaptiveSpeculation(SpeculativeConfig.from_value(spec)).policy
+    assert policy.drain_thinning is True and policy.drain_strength == 20
+    served = ServeConfig(device="cpu", speculative=spec)
+    assert served.speculative["adaptive"]["drain_thinning"] is True
+    plain = parse_spec("ngram:adaptive-4")
+    plain["adaptive"] = {"profile": False}
+    policy = AdaptiveSpeculation(SpeculativeConfig.from_value(plain)).policy
+    assert policy.drain_thinning is False and policy.drain_strength is None

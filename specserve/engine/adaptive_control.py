@@ -107,6 +107,7 @@ class AdaptiveSpeculation:
             probe_every=config.probe_every,
             draft_per_step=spec.method != "ngram",
             drain_strength=config.drain_strength,
+            drain_thinning=config.drain_thinning,
             calibration=None
             if config.calibration_fade is None
             else GoodputCalibration(config.calibration_fade),

@@ -195,6 +195,11 @@ class AdaptiveSettings(BaseModel):
         "this is how many observations the pooled rates are worth against a request's own in that "
         "forecast, which looks a whole answer ahead (null: prior_strength, as for a step's goodput).",
     )
+    drain_thinning: bool = Field(
+        _adaptive_default("drain_thinning"),
+        description="In that forecast, price the steps after a request ends at the requests still "
+        "running (a device loop's later runs are narrower), not at the whole batch's step.",
+    )
 
 
 def _check_speculative_adaptive(value: dict[str, Any] | str | None) -> None:

@@ -21,7 +21,8 @@ each request of a chain tier its own depth (0 .. the tier's), by one of two obje
   finishes when its slowest request does, after S = max_r R_r / E_r(d_r) steps (R_r: the tokens it
   has left). At the tier's full depth S is smallest; each request then takes the least depth that
   still keeps it within S (none where R_r <= S), which leaves S as it is and saves the others'
-  tokens.
+  tokens. Those S steps cost the whole batch's step each, or (`thinned_drain_seconds`, the policy's
+  `drain_thinning`) each stretch between two requests' ends costs the step of those still running.
 
 Only chains of a drafter whose cost does not grow with depth (n-gram) are cut this way: a model
 drafter's requests are cut by their reach (`min_reach`), and a tree verifies its nodes as drawn.
@@ -96,3 +97,32 @@ def drain_depths(prefixes: Sequence[Sequence[float]], remaining: Sequence[int], 
 def drain_steps(tokens: Sequence[float], remaining: Sequence[int]) -> float:
     """Steps until the last request finishes, each emitting `tokens[r]` a step."""
     return max(r / t for t, r in zip(tokens, remaining, strict=True))
+
+
+def padded_batch(batch: int) -> int:
+    """The batch a CUDA-graph step of `batch` requests is padded to: 1, 2, 4, 8, then the next
+    multiple of 8 (`GraphBuckets.for_engine`'s sizes below its largest)."""
+    return 1 << (batch - 1).bit_length() if batch <= 8 else -(-batch // 8) * 8
+
+
+def thinned_drain_seconds(
+    tokens: Sequence[float],
+    remaining: Sequence[int],
+    step_seconds: Callable[[int], float],
+    padded: Callable[[int], int] = lambda running: running,
+) -> float:
+    """Seconds until the last request finishes, each emitting `tokens[r]` a step, where a step over
+    n requests still running costs `step_seconds(n)`: the batch thins as its requests end, and a
+    tail of a few slow requests runs at a small batch's price, not the whole batch's. `padded`: the
+    batch such a step costs as (a CUDA graph's); `step_seconds` is then asked once per padded size.
+
+    The sum over stretches, sum_j (e_j - e_{j-1}) c(n - j) over the sorted ends e, is summed by parts
+    as sum_j e_j (c(n - j) - c(n - j - 1)): only the first count of each padded size adds a term."""
+    ends = sorted(r / t for t, r in zip(tokens, remaining, strict=True))
+    count = len(ends)
+    total, below, running = 0.0, 0.0, 1
+    while running <= count:
+        cost = step_seconds(running)
+        total += ends[count - running] * (cost - below)
+        below, running = cost, padded(running) + 1
+    return total
