@@ -407,6 +407,8 @@ def test_diagnostics_name_every_tier_and_position():
     d = policy.diagnostics()
     assert set(d["step_ms"]) == {"off", "1", "2", "4", "8"} and len(d["pooled_acceptance"][1]) == 8
     assert d["step_ms"]["8"] == pytest.approx(1.4)  # 1.2 ms verify + one 0.2 ms lookup
+    assert d["profile_ms"]["8"] == pytest.approx(1.2)  # the verify's device pass as profiled
+    assert set(d["profile_ms"]) == set(d["step_ms"])
 
 
 # ---- issue 9, H100 at batch 16/64: predicted step costs must be the wall-clock ones -------------------

@@ -418,6 +418,7 @@ class AdaptivePolicy:
             "current": self.current.name if self.current is not None else None,
             "objective": "drain" if self._scored is not None and self._scored.left else "goodput",
             "step_ms": {t.name: round(self.step_seconds(t, batch) * 1e3, 4) for t in self.tiers},
+            "profile_ms": self._profile_ms(batch),
             "pooled_acceptance": {k: [round(r, 3) for r in self.acceptance.pooled(k)] for k in topks},
             "pooled_tested": {k: [round(n, 1) for n in self.acceptance.pooled_tested(k)] for k in topks},
             "switches": self.switches,
@@ -428,6 +429,21 @@ class AdaptivePolicy:
             "probe_interval": self.probe_interval,
             "calibration": self.calibration.snapshot() if self.calibration is not None else {},
         }
+
+    def _profile_ms(self, batch: int) -> dict[str, float]:
+        """Each tier's verify as the start-up profile timed it at `batch` (its graph bucket's width):
+        beside `step_ms`, how much of a price live steps added. At MT-Bench batch 16 on the H200 the
+        1- and 2-chains, never run there, were priced 12% over decoding, where they cost ~6% more
+        when run (docs/benchmarks.md, thirty-third session)."""
+        out = {}
+        for tier in self.tiers:
+            width = tier.query_len
+            if self.shapes is not None and tier.topk == 1:
+                width = self.shapes.bucket(batch, width) or width
+            profiled = self.costs.profiled(VERIFY, batch, width)
+            if profiled is not None:
+                out[tier.name] = round(profiled * 1e3, 4)
+        return out
 
     def stays_off(self, batch: int) -> bool:
         """Whether the next decision over `batch` requests is off without reading them (`_hopeless`):

@@ -247,6 +247,12 @@ class StepCosts:
                 self._samples.pop((kind, width, batch), None)
                 self._loose.pop((kind, width, batch), None)
 
+    def profiled(self, kind: str, batch: int, width: int) -> float | None:
+        """What the start-up profile timed this shape at (interpolated in batch), the device pass
+        alone; None where its width was not profiled. A price less this is what live steps added."""
+        row = self._profiled.get((kind, width))
+        return _interpolate(row, batch) if row else None
+
     def measured_live(self, kind: str, batch: int, width: int) -> bool:
         """Whether this very shape has a steady measurement from serving (not only profiled, derived or
         seen in transitions)."""
