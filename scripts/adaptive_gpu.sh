@@ -22,9 +22,10 @@ export PYTHONPATH=/tmp/site SPECSERVE_CACHE=$HOME/spcache SPECSERVE_REPORT_DIR=$
 # the older driver field name where the newer one is unknown): scripts/bench_rounds.py sets each
 # repeat beside them, to tell a slow repeat's device from its host.
 CLOCKS=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu
-(TZ=UTC nvidia-smi --query-gpu=$CLOCKS,clocks_event_reasons.active --format=csv,noheader,nounits -lms 500 2>/dev/null ||
-  TZ=UTC nvidia-smi --query-gpu=$CLOCKS,clocks_throttle_reasons.active --format=csv,noheader,nounits -lms 500) \
-  > "$OUT/gpu_clocks.csv" 2>&1 &
+REASONS=clocks_event_reasons.active
+nvidia-smi --query-gpu=$REASONS --format=csv,noheader > /dev/null 2>&1 || REASONS=clocks_throttle_reasons.active
+# nvidia-smi itself in the background (not a subshell around it), so the trap's kill ends it
+TZ=UTC nvidia-smi --query-gpu=$CLOCKS,$REASONS --format=csv,noheader,nounits -lms 500 > "$OUT/gpu_clocks.csv" 2>&1 &
 clock_log=$!
 trap 'kill $clock_log 2>/dev/null' EXIT
 specs=()
