@@ -13,7 +13,6 @@ from specserve.spec.draft_depths import (
     VerifyShapes,
     drain_depths,
     goodput_depths,
-    padded_batch,
     thinned_drain_seconds,
 )
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, VERIFY, StepCosts
@@ -841,19 +840,23 @@ def test_a_thinned_drain_prices_each_stretch_at_the_requests_still_running():
     assert thinned_drain_seconds([1.0] * 3, [5, 5, 5], lambda n: {1: 0, 2: 0, 3: 2 * MS}[n]) == pytest.approx(
         10 * MS
     )
-    # priced by padded sizes (1, 2, 4, 8, 16, 24): each asked once, the sum as over every count
+    # priced by the graph sizes a step pads to (the engine's buckets, here up to 21): each asked once,
+    # the sum as over every count
+    shapes = VerifyShapes((1, 2), 21, (1, 2, 4, 8, 16, 21))
+    assert [shapes.padded(n) for n in (1, 3, 9, 17, 21, 30)] == [1, 4, 16, 21, 21, 30]
+    assert VerifyShapes().padded(5) == 5  # no graphs: the batch as it is
     rng = random.Random(3)
     tokens, left = [rng.uniform(1, 3) for _ in range(21)], [rng.randrange(10, 200) for _ in range(21)]
     asked: list[int] = []
 
     def price(n: int) -> float:
         asked.append(n)
-        return (0.5 + 0.03 * padded_batch(n)) * MS
+        return (0.5 + 0.03 * shapes.padded(n)) * MS
 
     ends = sorted(r / t for t, r in zip(tokens, left, strict=True))
     each = sum((e - b) * price(21 - j) for j, (b, e) in enumerate(zip([0.0, *ends[:-1]], ends, strict=True)))
     asked.clear()
-    assert thinned_drain_seconds(tokens, left, price, padded_batch) == pytest.approx(each)
+    assert thinned_drain_seconds(tokens, left, price, shapes.padded) == pytest.approx(each)
     assert asked == [1, 2, 3, 5, 9, 17]
 
 

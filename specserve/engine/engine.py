@@ -1108,7 +1108,7 @@ def verify_shapes(buckets: GraphBuckets | None) -> VerifyShapes:
     if buckets is None:
         return VerifyShapes()
     lens = tuple(q for q in buckets.query_lens if q not in buckets.masked_lens)
-    return VerifyShapes(lens, max(buckets.batch_sizes))
+    return VerifyShapes(lens, max(buckets.batch_sizes), tuple(buckets.batch_sizes))
 
 
 def local_kv_heads(arch: ModelArch, tp: TPInfo) -> int:

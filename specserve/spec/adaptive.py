@@ -93,7 +93,6 @@ from specserve.spec.draft_depths import (
     drain_depths,
     drain_steps,
     goodput_depths,
-    padded_batch,
     thinned_drain_seconds,
 )
 from specserve.spec.step_costs import DECODE, DRAFT, MIN_SAMPLES, SETTLE, SETUP, VERIFY, StepCosts
@@ -576,15 +575,17 @@ class AdaptivePolicy:
         running, every one drafting the tier's depth."""
         if not self.drain_thinning:
             return seconds * drain_steps(tokens, left)
-        # priced per graph batch, not per count still running: a loop pads to it, and pricing up to
-        # 64 counts a tier made a scoring at batch 64 seven times dearer (3.7 against 0.5 ms, CPU)
-        full = padded_batch(len(left))
+        # priced per graph batch the engine's buckets pad to, not per count still running: pricing up
+        # to 64 counts a tier made a scoring at batch 64 seven times dearer (3.7 against 0.5 ms, CPU);
+        # eager steps (no graphs: the CPU, tensor parallelism) cost by their tokens, so every count
+        padded = self.shapes.padded if self.shapes is not None else (lambda running: running)
+        full = padded(len(left))
 
         def at(running: int) -> float:
-            padded = padded_batch(running)
-            return seconds if padded == full else self.step_seconds(tier, padded)
+            size = padded(running)
+            return seconds if size == full else self.step_seconds(tier, size)
 
-        return thinned_drain_seconds(tokens, left, at, padded_batch)
+        return thinned_drain_seconds(tokens, left, at, padded)
 
     def _explore_key(self) -> tuple[tuple[int, int] | None, ...]:
         """What `_explore_span` gives every topk: scores stand only while it does."""

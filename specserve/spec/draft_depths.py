@@ -38,10 +38,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class VerifyShapes:
     """The CUDA-graph buckets verify passes run in: batches up to `max_batch`, query lens
-    `query_lens` (ascending); a step outside them runs eagerly. `VerifyShapes()`: no graphs."""
+    `query_lens` (ascending), batch sizes `batch_sizes` (ascending; empty: priced at the batch as
+    it is); a step outside them runs eagerly. `VerifyShapes()`: no graphs."""
 
     query_lens: tuple[int, ...] = ()
     max_batch: int = 0
+    batch_sizes: tuple[int, ...] = ()
+
+    def padded(self, batch: int) -> int:
+        """The batch a step of `batch` requests costs as: its graph bucket's, else its own."""
+        return next((b for b in self.batch_sizes if b >= batch), batch)
 
     def bucket(self, batch: int, query_len: int) -> int | None:
         """The query len a step of `batch` requests, the widest `query_len` tokens, is padded to
@@ -97,12 +103,6 @@ def drain_depths(prefixes: Sequence[Sequence[float]], remaining: Sequence[int], 
 def drain_steps(tokens: Sequence[float], remaining: Sequence[int]) -> float:
     """Steps until the last request finishes, each emitting `tokens[r]` a step."""
     return max(r / t for t, r in zip(tokens, remaining, strict=True))
-
-
-def padded_batch(batch: int) -> int:
-    """The batch a CUDA-graph step of `batch` requests is padded to: 1, 2, 4, 8, then the next
-    multiple of 8 (`GraphBuckets.for_engine`'s sizes below its largest)."""
-    return 1 << (batch - 1).bit_length() if batch <= 8 else -(-batch // 8) * 8
 
 
 def thinned_drain_seconds(
