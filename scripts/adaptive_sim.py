@@ -803,7 +803,9 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     adaptive = AdaptiveSpeculation(spec)
     adaptive.acceptance.per_token = not clock.per_verify  # as the engine counts n-gram drafting's
     adaptive.overlapped_off = True
-    adaptive.shapes = VerifyShapes(tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1], GRAPH_BATCHES)
+    adaptive.shapes = VerifyShapes(
+        tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1], GRAPH_BATCHES
+    )
     if clock.loop:
         adaptive.looped_chains = frozenset(t.num_steps for t in adaptive.tiers if not t.off)
         if clock.switch_settles:
