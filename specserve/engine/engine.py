@@ -48,6 +48,7 @@ from specserve.engine.stats import SpecSettings, StatsSink, StepStats
 from specserve.engine.step_input import StepInput, build_step_input
 from specserve.engine.text import TextState
 from specserve.executor.cuda_graphs import CudaGraphs, GraphBuckets
+from specserve.executor.host_threads import settle_host_threads
 from specserve.executor.runner import make_runner
 from specserve.executor.tp_group import agree_num_pages
 from specserve.model.arch import ModelArch
@@ -88,6 +89,7 @@ class Engine:
         self.loaded = loaded or load_model(
             config.model, self.device, self.dtype, self.tp, full_vocab=_uses_head(config)
         )
+        settle_host_threads(self.device)
         weight = self.loaded.model.lm_head.weight
         if weight.device.type != self.device.type or weight.dtype != self.dtype:
             raise ValueError(

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from specserve.config import EngineConfig
 from specserve.engine.engine import attention_backend, context_length, local_kv_heads, make_graphs, pool_pages
 from specserve.engine.kv_cache import KVCache
+from specserve.executor.host_threads import settle_host_threads
 from specserve.executor.runner import follower_loop
 from specserve.executor.tp_group import (
     DEFAULT_TIMEOUT_S,
@@ -60,6 +61,7 @@ def serve_follower(config: EngineConfig, tp: TPInfo) -> int:
         raise ValueError(f"tp_size: config says {config.tp_size}, group has {tp.size}; rank {tp.rank}")
     device, dtype = config.torch_device(), config.torch_dtype()
     loaded = load_model(config.model, device, dtype, tp)
+    settle_host_threads(device)
     arch, kv_heads = loaded.arch, local_kv_heads(loaded.arch, tp)
     # The same collective as rank 0's Engine._num_pages (a follower holds no drafter KV).
     per_token = KVCache.bytes_per_token(arch, dtype, kv_heads)
