@@ -187,6 +187,31 @@ def test_plain_steps_run_in_a_row_while_speculating_until_one_is_priced():
     assert all(not policy.decide(["a"]).tier.off for _ in range(24))
 
 
+def test_no_rows_of_plain_steps_where_off_runs_in_a_device_loop():
+    """N-gram drafting's off tier has a device loop of its own (plain decoding's): a row of plain
+    steps would run synchronously, and a loop tier's synchronous steps price nothing, so it measured
+    nothing and came back every `probe_every` steps (on the H200 at batch 64, breaking the chain's
+    run each time). None runs; the 8-chain stands as above, without the rows."""
+    costs = StepCosts()
+    costs.profile(VERIFY, [(1, q) for q in (1, 2, 3, 5, 9)], lambda b, q: 1.1 * MS)
+    costs.profile(DRAFT, [(1, 1)], lambda b, w: 0.02 * MS)
+    policy = _eight_chain_policy(costs)
+    policy.overlapped_off = False  # off is its loop's, priced as a one-token verify
+    policy.switch_on_device = frozenset({0, 1, 2, 4, 8})  # what the engine's loops make it
+    tiers = [policy.decide(["a"]).tier for _ in range(48)]
+    assert tiers[0] == CHAIN8 and not any(t.off for t in tiers)
+    policy.switch_on_device = frozenset({1, 2, 4, 8})  # a head's engine: off has no loop
+    assert any(policy.decide(["a"]).tier.off for _ in range(24))
+
+
+def test_the_engines_loops_reach_the_policy_off_included():
+    """`looped_chains` (the engine's loops by chain length, 0 for plain decoding's) is what the
+    policy's switches and its rows of plain steps go by."""
+    control = _control([(0, 1, 0), (1, 1, 1), (8, 1, 8)])
+    control.looped_chains = frozenset({0, 1, 8})
+    assert control.policy.switch_on_device == frozenset({0, 1, 8})
+
+
 def test_plain_steps_priced_at_a_batch_of_the_class_stop_the_rows_of_plain_steps():
     """A batch thins in its tail, a few steps at each size: a plain step's price at 60 serves 50 (one
     class, 32-63, whose other sizes the cost tables price from it), while 20 still gets its rows."""

@@ -733,10 +733,23 @@ class AdaptivePolicy:
         good. `OFF_PROBE_STEPS` in a row: an overlapped plain
         step's wall is the wait for the step before, so only from the second of a row on is one
         steady, a plain step's measured cost (`specserve/engine/adaptive_control.py`), and a price
-        takes a few. No verdict: a measurement."""
+        takes a few. No verdict: a measurement.
+
+        None where off runs in a device loop of its own (n-gram drafting's plain loop): a probe's
+        steps run synchronously, and a loop tier's synchronous steps price nothing
+        (`AdaptiveSpeculation.observe_step`), so such a probe measured nothing and came back every
+        `probe_every` engine steps, breaking the chain's run each time. On the H200 (thirty-fourth
+        session, MT-Bench, batch 64, `scripts/trace_steps.py`) the run with one took 403 ms, the run
+        without 317, the static 1-chain 305. Off's loop steps price it once it runs; until then its
+        loop gap is the narrowest chain's in proportion to its one row (`StepCosts.loop_gap`)."""
         off = next((t for t in self.tiers if t.off), None)
         kind = DECODE if self.overlapped_off else VERIFY
-        if off is None or not batch or self._plain_priced_near(kind, batch):
+        if (
+            off is None
+            or not batch
+            or off.num_steps in self.switch_on_device
+            or self._plain_priced_near(kind, batch)
+        ):
             self._since_probe = self._off_left = 0
             return None
         if self._off_left:
