@@ -30,6 +30,15 @@ session, `H200_LOOP`, with `--flat-context 0`, its static rows beside; with `--r
 `drain_thinning` at least level with the default in five of six cells, batch 4 / 16 / 64:
 MT-Bench 1.01 / 1.00 / 1.02x the best static against 1.02 / 1.00 / 1.00, mixed 1.00 / 0.95 / 1.02
 against 0.94 / 0.95 / 0.99; its default speculates at batch 16 where the H200's stayed off).
+`--off-loop` runs plain decoding in a device loop too (static, and adaptive's off tier), as the
+engine has run n-gram drafting's off since the twenty-sixth session: its loop steps price off, and
+its start-up profile is a loop step as the chains' are (`cost_profile.time_pass`). With it (thirty-
+fourth session, `--run h200 --flat-context 0 --replay 64`), batch 4 / 16 / 64 over the best static:
+MT-Bench 0.97 / 0.95 / 0.97, mixed 0.98 / 0.98 / 1.01. Profiling plain at a decode pass's share
+(`PROFILE_SHARE`) while its loop priced it, the sim's chains came out 30% dear at batch 16 and
+adaptive stayed off at every batch (0.81-0.96): plain's gap over its profile, which the chains' did
+not share, interpolated in width, priced the narrow chains. The engine profiles plain as its loop's
+step, so that was the sim's error, not the engine's.
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
@@ -434,6 +443,7 @@ class Clock:
         replay: list[list[int | None]] | None = None,
         per_verify: bool = False,
         no_shadows: bool = False,
+        off_loop: bool = False,
     ) -> None:
         self.no_shadows = no_shadows  # `--no-shadows`: the policy learns nothing while off but from probes
         # `--replay`: per request, the match lengths of real answers (`replay_matches`)
@@ -451,6 +461,9 @@ class Clock:
         self.loop = run in LOOPS  # chain tiers run in the device loop (`LOOPS`)
         self.loop_profile, self.loop_plain = LOOPS.get(run, (LOOP_PROFILE, LOOP_PLAIN))
         self.switch_settles = switch_settles  # a switch of chain tier starts a fresh run (the old loops)
+        # `--off-loop`: plain decoding (static, and adaptive's off) runs in a device loop as well, as the
+        # engine's n-gram off tier has since the twenty-sixth session
+        self.off_loop = off_loop and self.loop
 
     def first_time(self, engine: object, drafts: int, batch: int) -> float:
         """Extra ms of an engine's first verify of this bucket at this batch (`first_ms`: a model of
@@ -473,9 +486,14 @@ class Clock:
 
     def loop_ms(self, drafts: int, batch: int, context: float, profiled: bool = False) -> float:
         """A device-loop step of the chain whose bucket fits `drafts` over `batch` requests of
-        `context` tokens on average (`profiled`: as the start-up profile times it, no context)."""
-        chain = next((c for c in CHAINS if c >= drafts), CHAINS[-1])
-        base = by_batch({b: row[chain] for b, row in self.loop_profile.items()}, batch)
+        `context` tokens on average (`profiled`: as the start-up profile times it, no context); no
+        drafts: plain decoding's loop step."""
+        chain = next((c for c in CHAINS if c >= drafts), CHAINS[-1]) if drafts else 0
+        base = (
+            by_batch({b: row[chain] for b, row in self.loop_profile.items()}, batch)
+            if chain
+            else self.plain_ms(batch)
+        )
         if profiled:
             return base
         context = context if self.flat_context is None else self.flat_context
@@ -491,8 +509,8 @@ class Clock:
         return tuple(by_batch({b: rows[b][i] for b in rows}, batch) for i in range(3))  # type: ignore[return-value]
 
     def profile_pass_ms(self, batch: int, query_len: int) -> float:
-        if self.loop:  # a chain's loop step, as `cost_profile.time_loop_step`; plain: a decode pass
-            if query_len == 1:
+        if self.loop:  # a loop's step, as `cost_profile.time_loop_step`; plain without a loop: a decode pass
+            if query_len == 1 and not self.off_loop:
                 return PROFILE_SHARE * self.plain_ms(batch)
             return self.loop_ms(query_len - 1, batch, 0.0, profiled=True)
         return PROFILE_SHARE * self.chain_ms(max(query_len - 1, 1), batch)[1]
@@ -628,7 +646,7 @@ def run(
             adaptive.tier, adaptive._steps = tier, dict.fromkeys((r.request_id for r in reqs), tier.num_steps)
             settings = SimpleNamespace(num_steps=tier.num_steps)
         n, stats, emitted_of = len(reqs), StepStats(), {}
-        if clock.loop and not tier.off and (static is not None or not adaptive.probing):
+        if clock.loop and (clock.off_loop or not tier.off) and (static is not None or not adaptive.probing):
             # a run goes on over the rows of the one before while more than 1/CARRY_SHARE of them run
             # (`device_loop.carries`: finished requests' rows run idle), else a fresh one over these
             # (`DeviceLoop.follows`: a switch of chain tier too, unless `switch_settles`)
@@ -783,7 +801,8 @@ def loop_run(
             accepted = found or 0
             if depth > 0:
                 adaptive.observe_chain(req, depth, accepted, n)
-            verifies, accepted_drafts = verifies + 1, accepted_drafts + accepted
+            if k:  # plain decoding's loop verifies nothing
+                verifies, accepted_drafts = verifies + 1, accepted_drafts + accepted
             req.num_output += accepted + 1
     context = clock.prompt + sum(min(r.num_output, r.params.max_new_tokens) for r in reqs) / n
     step = clock.loop_ms(k, rows, context) * jitter
@@ -802,12 +821,12 @@ def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": settings})
     adaptive = AdaptiveSpeculation(spec)
     adaptive.acceptance.per_token = not clock.per_verify  # as the engine counts n-gram drafting's
-    adaptive.overlapped_off = True
+    adaptive.overlapped_off = not clock.off_loop  # as `Engine` sets it: off's loop steps price it
     adaptive.shapes = VerifyShapes(
         tuple(sorted({t.query_len for t in adaptive.tiers})), GRAPH_BATCHES[-1], GRAPH_BATCHES
     )
     if clock.loop:
-        adaptive.looped_chains = frozenset(t.num_steps for t in adaptive.tiers if not t.off)
+        adaptive.looped_chains = frozenset(t.num_steps for t in adaptive.tiers if clock.off_loop or not t.off)
         if clock.switch_settles:
             adaptive.policy.switch_on_device = frozenset()
     profile(adaptive, clock)
@@ -925,6 +944,12 @@ def main() -> int:
         "fresh one (the loops before they shared the requests' state), priced so by the policy",
     )
     parser.add_argument(
+        "--off-loop",
+        action="store_true",
+        help="with a loop run (twelfth, h200): plain decoding in a device loop too, static and adaptive's "
+        "off tier alike, as the engine runs n-gram drafting's",
+    )
+    parser.add_argument(
         "--setting",
         action="append",
         default=[],
@@ -952,6 +977,7 @@ def main() -> int:
         replay_matches(args.workload, args.replay, args.tokens) if args.replay else None,
         args.per_verify,
         args.no_shadows,
+        args.off_loop,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     chip = (
