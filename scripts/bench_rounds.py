@@ -63,14 +63,17 @@ def clock_columns(samples: list[ClockSample], start: float, seconds: float) -> l
 
 
 def host_columns(host: dict | None, seconds: float) -> list[str]:
-    """CPU seconds over the wall (the process's threads), stolen ms, idle CPUs on average."""
+    """CPU seconds over the wall (the process's threads), stolen ms, idle CPUs on average, ms in the
+    garbage collector and its full collections (dashes for a bench from before they were kept)."""
     if not host:
-        return ["-", "-", "-"]
-    steal, idle = host.get("steal_seconds"), host.get("idle_seconds")
+        return ["-"] * 5
+    steal, idle, gc_seconds = host.get("steal_seconds"), host.get("idle_seconds"), host.get("gc_seconds")
     return [
         f"{host['cpu_seconds'] / seconds:.2f}",
         "-" if steal is None else f"{steal * 1e3:.0f}",
         "-" if idle is None else f"{idle / seconds:.1f}",
+        "-" if gc_seconds is None else f"{gc_seconds * 1e3:.1f}",
+        str(host.get("gc_full", "-")),
     ]
 
 
@@ -98,7 +101,18 @@ def round_rows(report: dict, batch: int | None, clocks: list[ClockSample]) -> li
     return lines
 
 
-HEADER = ["batch", "round", "system", "s", "x fastest", "cpu/wall", "steal ms", "idle cpus"]
+HEADER = [
+    "batch",
+    "round",
+    "system",
+    "s",
+    "x fastest",
+    "cpu/wall",
+    "steal ms",
+    "idle cpus",
+    "gc ms",
+    "gc full",
+]
 CLOCK_HEADER = ["SM MHz", "SM min", "W", "reasons"]
 
 

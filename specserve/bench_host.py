@@ -8,10 +8,16 @@ be told apart: a host that lost its CPU to other guests (`steal_seconds` up), on
 elsewhere (`cpu_seconds` over the wall), or the device (neither moved; `scripts/bench_rounds.py`
 sets the GPU's logged clocks beside them). Steal and idle come from `/proc/stat` and are None where
 it cannot be read (not Linux).
+
+Python's own pauses count too: the bench freezes what its warm-up left (`gc.freeze`), but every run
+makes new objects, and a full collection (generation 2) walks all of them that are not frozen. Each
+sample reads the full collections so far and the seconds every collection took, clocked by a
+`gc.callbacks` hook installed with the first sample: a slow repeat that ran one shows it.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -22,17 +28,45 @@ PROC_STAT = Path("/proc/stat")
 _IDLE, _STEAL = 3, 7
 
 
+class _GcClock:
+    """Seconds spent in the collector and full collections since installed (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._started = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._started
+        self.full += info.get("generation") == 2
+
+
+_GC_CLOCK: _GcClock | None = None
+
+
+def _gc_clock() -> _GcClock:
+    global _GC_CLOCK
+    if _GC_CLOCK is None:
+        _GC_CLOCK = _GcClock()
+        gc.callbacks.append(_GC_CLOCK)
+    return _GC_CLOCK
+
+
 @dataclass(frozen=True)
 class HostSample:
     wall: float  # Unix seconds
     cpu: float  # this process's CPU seconds, every thread
     idle: float | None  # the machine's idle seconds summed over its CPUs
     steal: float | None  # the machine's stolen seconds summed over its CPUs
+    gc_seconds: float = 0.0  # this process's seconds in the garbage collector since the first sample
+    gc_full: int = 0  # its full (generation 2) collections since then
 
     @classmethod
     def now(cls, stat: Path = PROC_STAT) -> HostSample:
         idle, steal = _machine_times(stat)
-        return cls(time.time(), time.process_time(), idle, steal)
+        clock = _gc_clock()
+        return cls(time.time(), time.process_time(), idle, steal, clock.seconds, clock.full)
 
     def until(self, later: HostSample) -> dict[str, float | None]:
         """The run from this sample to `later`: its start (Unix seconds) and what each clock spent."""
@@ -41,6 +75,8 @@ class HostSample:
             "cpu_seconds": round(later.cpu - self.cpu, 4),
             "idle_seconds": _spent(self.idle, later.idle),
             "steal_seconds": _spent(self.steal, later.steal),
+            "gc_seconds": round(later.gc_seconds - self.gc_seconds, 4),
+            "gc_full": later.gc_full - self.gc_full,
         }
 
 

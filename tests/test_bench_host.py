@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 from specserve.bench_host import HostSample
@@ -32,3 +33,16 @@ def test_no_machine_figures_where_the_stat_file_is_missing_or_foreign(tmp_path):
     foreign.write_text("intr 1 2 3\n")
     spent = HostSample.now(foreign).until(HostSample.now(foreign))
     assert spent["idle_seconds"] is None and spent["steal_seconds"] is None and spent["cpu_seconds"] >= 0
+
+
+def test_a_full_collection_between_samples_is_counted_and_timed(tmp_path):
+    stat = tmp_path / "stat"
+    _stat(stat, idle=1000, steal=40)
+    before = HostSample.now(stat)
+    garbage = [[i] for i in range(50_000)]
+    del garbage
+    gc.collect()  # a full collection, generation 2
+    spent = before.until(HostSample.now(stat))
+    assert spent["gc_full"] >= 1 and spent["gc_seconds"] > 0
+    quiet = HostSample.now(stat)
+    assert quiet.until(HostSample.now(stat))["gc_full"] == 0

@@ -18,8 +18,8 @@ _SPEC.loader.exec_module(rounds)
 T0 = calendar.timegm(time.strptime("2026/11/30 02:00:00", "%Y/%m/%d %H:%M:%S"))
 
 
-def _host(start: float, cpu: float, steal: float) -> dict:
-    return {"started_at": start, "cpu_seconds": cpu, "idle_seconds": 14.0, "steal_seconds": steal}
+def _host(start: float, cpu: float, steal: float, **gc: float) -> dict:
+    return {"started_at": start, "cpu_seconds": cpu, "idle_seconds": 14.0, "steal_seconds": steal, **gc}
 
 
 def _clock_log(path: Path) -> None:
@@ -47,7 +47,7 @@ def test_a_slow_repeat_is_set_beside_the_clocks_and_the_host_of_its_span(tmp_pat
                 "system": "plain",
                 "batch_size": 64,
                 "repeat_seconds": [1.5, 2.0],  # the second repeat runs while the clock is down
-                "repeat_host": [_host(T0 + 1, 1.5, 0.0), _host(T0 + 4, 2.0, 0.0)],
+                "repeat_host": [_host(T0 + 1, 1.5, 0.0), _host(T0 + 4, 2.0, 0.0, gc_seconds=0.25, gc_full=1)],
             },
             {
                 "system": "chain",
@@ -61,13 +61,15 @@ def test_a_slow_repeat_is_set_beside_the_clocks_and_the_host_of_its_span(tmp_pat
     lines = rounds.round_rows(report, 64, clocks)
     by = {(line[1], line[2]): line for line in lines}
     assert [line[2] for line in lines] == ["plain", "chain", "plain", "chain"]  # round by round
-    assert by["2", "plain"][4] == "1.333" and by["2", "plain"][8:] == [
+    assert by["2", "plain"][4] == "1.333" and by["2", "plain"][10:] == [
         "1356",
         "1200",
         "330",
         "0x4",
     ]  # 4 samples slow, 1 not
-    assert by["1", "plain"][8:] == ["1980", "1980", "450", "0x0"]
-    assert by["1", "chain"][4:8] == ["1.500", "0.67", "600", "7.8"]  # CPU over wall, stolen ms, idle CPUs
+    assert by["1", "plain"][10:] == ["1980", "1980", "450", "0x0"]
+    # CPU over wall, stolen ms, idle CPUs; no collector figures in a bench from before them
+    assert by["1", "chain"][4:10] == ["1.500", "0.67", "600", "7.8", "-", "-"]
+    assert by["2", "plain"][8:10] == ["250.0", "1"]  # ms in the collector, full collections
     everything = rounds.round_rows(report, None, clocks)
-    assert everything[0][:3] == ["1", "1", "chain"] and everything[0][5:] == ["-"] * 7
+    assert everything[0][:3] == ["1", "1", "chain"] and everything[0][5:] == ["-"] * 9

@@ -255,7 +255,7 @@ def test_bench_repeats_in_rounds_over_the_systems(tiny_folder, tmp_path, monkeyp
     assert rows["specserve"]["repeat_seconds"] == [98.0, 96.0]  # every repeat, in the order run
     hosts = rows["specserve"]["repeat_host"]  # beside each repeat, what the host did meanwhile
     assert len(hosts) == 2 and hosts[0]["started_at"] <= hosts[1]["started_at"]
-    assert all(h["cpu_seconds"] >= 0 for h in hosts)
+    assert all(h["cpu_seconds"] >= 0 and h["gc_seconds"] >= 0 and h["gc_full"] >= 0 for h in hosts)
 
 
 def test_bench_rejects_a_configuration_given_twice(tiny_folder, tmp_path, capsys):
