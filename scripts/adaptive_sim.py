@@ -34,7 +34,9 @@ against 0.94 / 0.95 / 0.99; its default speculates at batch 16 where the H200's 
 engine has run n-gram drafting's off since the twenty-sixth session: its loop steps price off, and
 its start-up profile is a loop step as the chains' are (`cost_profile.time_pass`). With it (thirty-
 fourth session, `--run h200 --flat-context 0 --replay 64`), batch 4 / 16 / 64 over the best static:
-MT-Bench 0.97 / 0.95 / 0.97, mixed 0.98 / 0.98 / 1.01. Profiling plain at a decode pass's share
+MT-Bench 0.98 / 0.99 / 1.01, mixed 0.99 / 0.98 / 1.01, with the engine's shadow lookups per plain
+step (a run's worth an engine step off); at 2 an engine step, as before, 0.97 / 0.95 / 0.97 and
+0.98 / 0.98 / 1.01. Profiling plain at a decode pass's share
 (`PROFILE_SHARE`) while its loop priced it, the sim's chains came out 30% dear at batch 16 and
 adaptive stayed off at every batch (0.81-0.96): plain's gap over its profile, which the chains' did
 not share, interpolated in width, priced the narrow chains. The engine profiles plain as its loop's
@@ -737,7 +739,9 @@ class Shadows:
     def __init__(self, adaptive: AdaptiveSpeculation, clock: Clock) -> None:
         self.adaptive, self.clock = adaptive, clock
         self.depth = max(t.num_steps for t in adaptive.tiers if not t.off)
-        self.lookups = adaptive._shadow_lookups if not clock.no_shadows else 0
+        # per plain step, as the engine's (`AdaptiveSpeculation.use_shadow`): a run's worth a loop step off
+        per_step = LOOP_RUN if clock.off_loop else 1
+        self.lookups = adaptive._shadow_lookups * per_step if not clock.no_shadows else 0
         self.open: dict[str, tuple[int, int]] = {}  # request id -> (decided at output, accepted)
         self.turn = 0
 

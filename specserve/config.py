@@ -104,7 +104,8 @@ class AdaptiveConfig:
     configured tree (`default_tiers`). Every tier must fit the configured shape (its KV slots and
     CUDA graphs are sized by it). The rest tune the policy, the acceptance estimates and the cost
     tables (`AdaptiveSettings` in `specserve/serve/config.py` describes each); `shadow_lookups`: n-gram
-    lookups a step scored while off (`specserve/spec/shadow.py`; 0: none, probes alone);
+    lookups a plain step scored while off, a loop run's steps each (`specserve/spec/shadow.py`; 0:
+    none, probes alone);
     `calibration_fade`: how fast each tier's correction by its measured steps forgets, per step of
     the tier (`specserve/spec/calibration.py`; None: predictions uncorrected); `drain_strength`: the
     pool's weight in a request's rates where the drain forecasts its end (None: `prior_strength`);

@@ -511,6 +511,8 @@ def test_adaptive_tiers(small_vocab_target, launches):
     spec = {"method": "ngram", "num_steps": 4, "adaptive": {"tiers": ["off", 2, 4]}, "device_steps": 4}
     llm = _llm(small_vocab_target, spec)
     assert sorted(llm.engine.device_loops) == [0, 2, 4], "off is a loop too (plain decoding)"
+    # shadow lookups are per plain step: an engine step off runs a run of 4
+    assert llm.engine.adaptive.shadow.lookups == 2 * 4
     looped = llm.generate(prompts, params)
     assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
     single = llm.generate(prompts[:1], params)[0]

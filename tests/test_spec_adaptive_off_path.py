@@ -229,3 +229,17 @@ def test_shadow_drafts_start_only_where_their_evidence_could_change_the_decision
     costs.profile(DRAFT, [(4, 1), (1, 1)], lambda b, w: 0.01 * MS)
     control.decide(reqs[:4])
     assert not control.policy.hopeless and len(lookups) == 2 and len(reads) == 4
+
+
+def test_shadow_lookups_are_per_plain_step():
+    """Off in a device loop, an engine step runs a run of plain steps: it starts that many times the
+    lookups a synchronous plain step does (at 2 an engine step, a batch of 64 gave each request one
+    shadow in its 32 engine steps)."""
+    from specserve.config import SpeculativeConfig
+    from specserve.engine.adaptive_control import AdaptiveSpeculation
+
+    spec = SpeculativeConfig.from_value({"method": "ngram", "num_steps": 8, "adaptive": {"profile": False}})
+    host, looped = AdaptiveSpeculation(spec), AdaptiveSpeculation(spec)
+    host.use_shadow(lambda tokens, seq, depth: [])
+    looped.use_shadow(lambda tokens, seq, depth: [], plain_steps=8)
+    assert (host.shadow.lookups, looped.shadow.lookups) == (2, 16)

@@ -160,7 +160,9 @@ class Engine:
             self.adaptive.shapes = verify_shapes(buckets)
             self.adaptive.acceptance.per_token = self.drafter.acceptance_in_stretches
             if isinstance(self.drafter, NgramDrafter):
-                self.adaptive.use_shadow(self.drafter.lookup)  # a host lookup: scored while off, for free
+                # a host lookup: scored while off, for free; per plain step, so per run of off's loop
+                off_steps = self._loop_steps if 0 in self.device_loops else 1
+                self.adaptive.use_shadow(self.drafter.lookup, off_steps)
         self._inflight: InFlight | None = None
         self._failure: Exception | None = None  # a failed overlapped launch, raised by the next step
         self._requests: dict[str, Request] = {}

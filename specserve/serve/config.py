@@ -176,9 +176,10 @@ class AdaptiveSettings(BaseModel):
     shadow_lookups: int = Field(
         _adaptive_default("shadow_lookups"),
         ge=0,
-        description="With the n-gram drafter, requests a plain step starts a shadow draft for: the lookup "
-        "runs anyway and what it would have had accepted feeds the acceptance estimates, so the policy "
-        "sees text turn predictable without waiting for a probe (0: probes only).",
+        description="With the n-gram drafter, requests a plain step starts a shadow draft for (a device-loop "
+        "run off counts each of its plain steps): the lookup runs anyway and what it would have had "
+        "accepted feeds the acceptance estimates, so the policy sees text turn predictable without "
+        "waiting for a probe (0: probes only).",
     )
     calibration_fade: float | None = Field(
         _adaptive_default("calibration_fade"),
