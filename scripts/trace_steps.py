@@ -29,7 +29,12 @@ TRACE_SEQ=1 prints, for every traced run, its steps in order, run-length encoded
 kind@tier[running requests], and the adaptive policy's calibrated scores wherever its standing tier
 changed (the first step of a row of plain steps while the tier stands is a plain-price probe,
 `AdaptivePolicy._probe_off`, not a switch). TRACE_SCORES_EVERY=N adds the scores every N steps while
-a tier stands, with each tier's step price in ms (why a tier held: issue 9's batch-64 off stint).
+a tier stands, with each tier's step price in ms (why a tier held: issue 9's batch-64 off stint), its
+uncorrected scores, the corrections, the pool's acceptance and each loop width's gap over its profile
+at the batch (ms at a mean context, its slope per context token, its steady steps; TRACE_GAP_SAMPLES=1:
+the kept samples, ms / gap ms / context). TRACE_STEP_MS=N prints each traced run's first N steps:
+wall, the wait for the device (a loop step's "target") and the host's phases (read before
+`Engine._end_step` starts the next step's stats: the per-kind phases printed nothing before).
 
     TRACE_SPECS="ngram:12;eagle3:3:HEAD;eagle3:5:HEAD" python3 -P scripts/trace_steps.py
 """
@@ -67,6 +72,7 @@ PRELUDE = [int(b) for b in os.environ.get("TRACE_PRELUDE", "").split(",") if b]
 CARRY = [int(b) for b in os.environ.get("TRACE_CARRY", "").split(",") if b] or [device_loop.CARRY_SHARE]
 SEQUENCE = os.environ.get("TRACE_SEQ", "0") != "0"
 SCORES_EVERY = int(os.environ.get("TRACE_SCORES_EVERY", "0"))  # with TRACE_SEQ: scores while a tier stands
+STEP_MS = int(os.environ.get("TRACE_STEP_MS", "0"))  # each of a run's first N steps: wall, device wait, host
 
 
 # (mean context, seconds per iteration) of every loop run queued behind the one before, by chain length
@@ -110,6 +116,24 @@ def _note_switch(policy, step: int, notes: list[str]) -> None:
             f"{t.name}:{policy.step_seconds(t, policy.last_batch) * 1e3:.2f}" for t in policy.tiers
         )
         note += f"; ms a step {prices}"
+        if scored is not None and policy.calibration is not None:
+            factors = policy.calibration.factors(policy._speculative, len(scored.ids))
+            note += "; raw " + " ".join(f"{t.name}:{v:,.0f}" for t, v in sorted(scored.score.items()))
+            note += "; x " + " ".join(f"{t.name}:{f:.3f}" for t, f in sorted(factors.items()))
+        gaps = [
+            f"w{w}:{g.gap * 1e3:.3f}@{g.context:.0f}/{g.slope * 1e6:.2f}us/{g.steps}"
+            for (kind, w), row in sorted(policy.costs._loop_gap.items())
+            for b, g in row.items()
+            if kind == "verify" and b == policy.last_batch
+        ]
+        note += f"; context {policy.costs.context:.0f}; gaps " + " ".join(gaps)
+        if os.environ.get("TRACE_GAP_SAMPLES"):  # each width's kept (ms, gap ms, context) at the batch
+            for (kind, w, b), kept in sorted(policy.costs._loop_gaps.items()):
+                if kind == "verify" and b == policy.last_batch:
+                    cells = " ".join(f"{t * 1e3:.2f}/{g * 1e3:.2f}/{c:.0f}" for t, g, c in kept)
+                    note += f"\n      w{w} samples {cells}"
+        pooled = policy.acceptance.pooled(1)[:3] if any(t.topk == 1 for t in policy.tiers) else []
+        note += "; accept " + " ".join(f"{r:.3f}" for r in pooled)
     notes.append(note)
 
 
@@ -144,6 +168,16 @@ def traced_run(
     notes: list[str] = []  # TRACE_SEQ: the policy's scores where its standing tier changed
     original = engine.step
     profiler = cProfile.Profile() if profile else None
+    last_phases: dict[str, float] = {}  # the step's phases, read before `_end_step` resets them
+    lines: list[str] = []  # TRACE_STEP_MS
+    end_step = engine._end_step
+
+    def kept_end_step(outputs):
+        last_phases.clear()
+        last_phases.update(engine._stats.phases)
+        return end_step(outputs)
+
+    engine._end_step = kept_end_step
 
     def step():
         before = engine._loop_flight is not None
@@ -179,8 +213,16 @@ def traced_run(
                 sequence.append(f"{kind}[{len(engine.scheduler.running)}]")
                 _note_switch(engine.adaptive.policy, len(stamps), notes)
         times[kind].append(end - start)
-        for phase, seconds in engine._stats.phases.items():  # the loop's wait for the device: "target"
+        for phase, seconds in last_phases.items():  # the loop's wait for the device: "target"
             phases[kind][phase] += seconds
+        if len(stamps) < STEP_MS:
+            wait = last_phases.get("target", 0.0)
+            lines.append(
+                f"  step {len(stamps)} {kind}[{len(engine.scheduler.running)}]: {(end - start) * 1e3:.2f} ms, "
+                f"device wait {wait * 1e3:.2f}, host {(end - start - wait) * 1e3:.2f} ("
+                + " ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(last_phases.items()) if k != "target")
+                + ")"
+            )
         stamps.append((start, end))
         return out
 
@@ -225,6 +267,9 @@ def traced_run(
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     engine.step = original
+    del engine._end_step
+    if lines:
+        print("\n".join(lines))
     del engine._loop_launch
     del engine._loop_settle
     if planned:  # launched loop iterations (against the verifies that made tokens)
