@@ -10,7 +10,8 @@ clocks_event_reasons.active --format=csv,noheader,nounits -lms 500`, timestamps 
 also gets the SM clock's mean and least, the power's mean and the clock-event reasons seen (a
 bitmask, 0: none) over its span. A repeat `slow` (its time over the system's fastest at that batch
 size) that stole CPU, or ran at a lower clock, names its cause; one where nothing moved points at
-the engine itself.
+the engine itself. An adaptive row's repeats also show the engine steps each tier ran (`tiers`): a
+slow one, whether the policy held another tier there.
 
     python scripts/bench_rounds.py BENCH.json [BENCH.json ...] [--clocks gpu_clocks.csv] [--batch 64]
 """
@@ -78,8 +79,10 @@ def host_columns(host: dict | None, seconds: float) -> list[str]:
 
 
 def round_rows(report: dict, batch: int | None, clocks: list[ClockSample]) -> list[list[str]]:
-    """One line per (batch size, round, system), in the order run."""
+    """One line per (batch size, round, system), in the order run; with adaptive rows' tier steps
+    per repeat, those last."""
     lines = []
+    tiered = has_tiers(report)
     rows = [
         r for r in report["rows"] if r.get("repeat_seconds") and (batch is None or r["batch_size"] == batch)
     ]
@@ -97,8 +100,23 @@ def round_rows(report: dict, batch: int | None, clocks: list[ClockSample]) -> li
                 line += host_columns(host, seconds)
                 if clocks:
                     line += clock_columns(clocks, host["started_at"], seconds) if host else ["-"] * 4
+                if tiered:
+                    line.append(tier_column(row.get("repeat_tier_steps"), k))
                 lines.append(line)
     return lines
+
+
+def has_tiers(report: dict) -> bool:
+    """Whether any row kept its repeats' engine steps per adaptive tier (`repeat_tier_steps`)."""
+    return any(r.get("repeat_tier_steps") for r in report["rows"])
+
+
+def tier_column(repeats: list | None, k: int) -> str:
+    """Repeat `k`'s engine steps per tier, most first ("1:125 off:12"), or a dash."""
+    steps = repeats[k] if repeats and k < len(repeats) else None
+    if not steps:
+        return "-"
+    return " ".join(f"{name}:{n}" for name, n in sorted(steps.items(), key=lambda kv: -kv[1]))
 
 
 HEADER = [
@@ -129,8 +147,9 @@ def main() -> None:
     for path in args.reports:
         report = json.loads(path.read_text())
         print(f"{path} ({report.get('dataset')}, {report.get('gpu') or report.get('device')}):")
-        lines = [header, *round_rows(report, args.batch, clocks)]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        columns = header + (["tiers"] if has_tiers(report) else [])
+        lines = [columns, *round_rows(report, args.batch, clocks)]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
         for line in lines:
             print("  " + "  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
 

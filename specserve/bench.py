@@ -67,6 +67,9 @@ class BenchRow:
     # beside each repeat, what the host did meanwhile (`bench_host.HostSample.until`): its start,
     # the process's CPU seconds, the machine's idle and stolen seconds
     repeat_host: list[dict[str, float | None]] | None = None
+    # adaptive speculation: beside each repeat, the engine steps each tier ran in it (`tier_steps` is
+    # the median repeat's): a slow repeat shows whether the policy held another tier there
+    repeat_tier_steps: list[dict[str, int] | None] | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -254,7 +257,9 @@ def run(args: argparse.Namespace) -> int:
             run = sorted(timed, key=lambda run: run[0])[(len(timed) - 1) // 2]
             repeats = [round(t[0], 6) for t in timed]
             row = _row(name, b, args.max_new_tokens, *run, batches=len(batches), repeats=repeats)
-            rows.append(replace(row, repeat_host=hosts[name]))
+            tiers = [t[3] for t in timed]
+            tiers = tiers if any(t is not None for t in tiers) else None
+            rows.append(replace(row, repeat_host=hosts[name], repeat_tier_steps=tiers))
         if hf is not None:
             seconds = _time_hf(hf, plain, batch, args.max_new_tokens, temperature=args.temperature)
             rows.append(_row(HF, b, args.max_new_tokens, seconds))

@@ -73,3 +73,24 @@ def test_a_slow_repeat_is_set_beside_the_clocks_and_the_host_of_its_span(tmp_pat
     assert by["2", "plain"][8:10] == ["250.0", "1"]  # ms in the collector, full collections
     everything = rounds.round_rows(report, None, clocks)
     assert everything[0][:3] == ["1", "1", "chain"] and everything[0][5:] == ["-"] * 9
+
+
+def test_an_adaptive_rows_repeats_show_the_steps_each_tier_ran():
+    """A bench with adaptive rows gets a last column: each repeat's engine steps per tier, most first
+    (a slow repeat: did the policy hold another tier there?); rows without them get a dash."""
+    report = {
+        "rows": [
+            {"system": "plain", "batch_size": 64, "repeat_seconds": [1.4, 1.4]},
+            {
+                "system": "adaptive",
+                "batch_size": 64,
+                "repeat_seconds": [1.25, 1.6],
+                "repeat_tier_steps": [{"1": 125, "2": 5}, {"off": 90, "1": 30}],
+            },
+        ]
+    }
+    assert rounds.has_tiers(report)
+    lines = rounds.round_rows(report, 64, [])
+    assert [line[-1] for line in lines] == ["-", "1:125 2:5", "-", "off:90 1:30"]
+    assert not rounds.has_tiers({"rows": report["rows"][:1]})
+    assert len(rounds.round_rows({"rows": report["rows"][:1]}, 64, [])[0]) == len(rounds.HEADER)

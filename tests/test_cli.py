@@ -216,6 +216,10 @@ def test_bench_writes_json_table_and_plot(tiny_folder, tmp_path, capsys):
     # at most one step per new token: an overlapped step may launch before the last token lands
     assert set(tiers) <= {"off", "1", "2", "3"} and 2 <= sum(tiers.values()) <= 8
     assert rows[("specserve-ngram-3", 1)]["tier_steps"] is None
+    # ... beside each repeat too (the row's is its median repeat's)
+    row = rows[("specserve-ngram-3-adaptive", 1)]
+    assert len(row["repeat_tier_steps"]) == len(row["repeat_seconds"]) and tiers in row["repeat_tier_steps"]
+    assert rows[("specserve-ngram-3", 1)]["repeat_tier_steps"] is None
     # ... and why: the policy's cost table, pooled acceptance per position, goodput predicted/measured
     diag = rows[("specserve-ngram-3-adaptive", 3)]["adaptive"]
     assert set(diag["step_ms"]) == {"off", "1", "2", "3"} and all(ms > 0 for ms in diag["step_ms"].values())
