@@ -41,6 +41,11 @@ step (a run's worth an engine step off); at 2 an engine step, as before, 0.97 / 
 adaptive stayed off at every batch (0.81-0.96): plain's gap over its profile, which the chains' did
 not share, interpolated in width, priced the narrow chains. The engine profiles plain as its loop's
 step, so that was the sim's error, not the engine's.
+A resumed loop run is observed one step late, as the engine reads it once the next run is queued
+(`LoopSample`, `observe_sample`; thirty-fifth session: MT-Bench 0.98 / 1.00 / 1.01, mixed 0.97 /
+0.98 / 1.00 at seed 0). `--switch-walls F` models the H200's walls at a switch of looped tier (the
+step settling the old tier's last run also waits F of the new tier's first, the next step's wall
+lacks it), `--drop-switch-samples` a candidate engine rule that prices nothing from those two runs.
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
@@ -83,6 +88,7 @@ import bisect
 import json
 import math
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -446,7 +452,15 @@ class Clock:
         per_verify: bool = False,
         no_shadows: bool = False,
         off_loop: bool = False,
+        switch_walls: float = 0.0,
+        drop_switch_samples: bool = False,
     ) -> None:
+        # `--switch-walls F`: at a switch of looped tier the step settling the old tier's last run
+        # waits for F of the new tier's first run too, and the next step's wall lacks it (the H200,
+        # mixed prompts, batch 64, 2-chain to plain: 18.8 and 7.7 ms where runs took ~11.5: F ~0.6)
+        self.switch_walls = switch_walls
+        # `--drop-switch-samples`: those two runs price nothing (the thirty-fifth session's candidate)
+        self.drop_switch_samples = drop_switch_samples
         self.no_shadows = no_shadows  # `--no-shadows`: the policy learns nothing while off but from probes
         # `--replay`: per request, the match lengths of real answers (`replay_matches`)
         self.replay = replay
@@ -634,6 +648,7 @@ def run(
         made[req.request_id] = req.num_output = 1
     total, seconds = batch, ms * MS
     looped: tuple[Tier, int] | None = None  # the loop run before: its tier and rows (a run resumes it)
+    pending: tuple[Tier, LoopSample] | None = None  # a resumed run not yet observed (`observe_sample`)
     shadows = Shadows(adaptive, clock) if static is None else None
     while reqs:
         # step-to-step noise of the wall clock (host jitter), the same sequence for every system
@@ -655,9 +670,22 @@ def run(
             same = looped is not None and (looped[0] == tier or not clock.switch_settles)
             resumed = same and CARRY_SHARE * n > looped[1]
             rows = looped[1] if resumed else n
-            ms, got, acc = loop_run(
+            ms, got, acc, sample = loop_run(
                 adaptive, clock, reqs, made, tier, rows, resumed and static is None, jitter
             )
+            # the step settling the run before this one, launched behind it: at a switch of chain
+            # length the walls split `--switch-walls` of this run's time wrongly between the two
+            switched = pending is not None and pending[0] != tier
+            if pending is not None:
+                extra = clock.switch_walls * ms / LOOP_RUN if switched and sample is not None else 0.0
+                pending[1].step += extra
+                observe_sample(adaptive, clock, pending[1], switched)
+            pending = None
+            if sample is not None:
+                if switched:
+                    sample.step *= 1.0 - clock.switch_walls
+                    sample.after_switch = True
+                pending = (tier, sample)
             if not resumed:
                 setup = FRESH_MS + SETUP_MS * n
                 ms += setup
@@ -676,6 +704,9 @@ def run(
             reqs = [r for r in reqs if r.left > 0]
             continue
         looped = None
+        if pending is not None:
+            observe_sample(adaptive, clock, pending[1], False)
+            pending = None
         if settings.num_steps == 0:
             ms = max(inflight, LAUNCH_MS)  # launched, then the wait for the step in flight
             inflight = clock.plain_ms(n) * jitter
@@ -724,6 +755,8 @@ def run(
         for req in [r for r in reqs if r.left <= 0]:
             adaptive.forget(req.request_id)
         reqs = [r for r in reqs if r.left > 0]
+    if pending is not None:
+        observe_sample(adaptive, clock, pending[1], False)
     seconds += inflight * MS  # the last step: it settles the plain step still in flight
     if static is None and hasattr(adaptive, "idle"):
         adaptive.idle()
@@ -812,12 +845,40 @@ def loop_run(
     step = clock.loop_ms(k, rows, context) * jitter
     for req in reqs:
         req.num_output = min(req.num_output, req.params.max_new_tokens)
+    observed = None
     if resumed:
-        adaptive.observe_loop(rows, k, step * MS, context)
         ended = any(r.num_output >= r.params.max_new_tokens for r in reqs)
-        adaptive.observe_run(rows, k, sum(r.num_output for r in reqs) - before, LOOP_RUN * step * MS, ended)
+        observed = LoopSample(rows, k, step, context, sum(r.num_output for r in reqs) - before, ended)
     adaptive.idle()
-    return LOOP_RUN * step, verifies, accepted_drafts
+    return LOOP_RUN * step, verifies, accepted_drafts, observed
+
+
+@dataclass
+class LoopSample:
+    """A resumed loop run as the engine observes it, once the step after it has launched the next
+    run (`Engine._observe_loop`): its rows, chain, ms an iteration (what the step's wall will show),
+    context, tokens and whether it ended a request; `after_switch`: it followed another tier's run."""
+
+    rows: int
+    k: int
+    step: float
+    context: float
+    emitted: int
+    ended: bool
+    after_switch: bool = False
+
+
+def observe_sample(
+    adaptive: AdaptiveSpeculation, clock: Clock, sample: LoopSample, before_switch: bool
+) -> None:
+    """`sample` into the cost tables and corrections, as `Engine._observe_loop` does; with
+    `--drop-switch-samples`, a run next to a switch only drains its chain outcomes (the candidate of
+    the thirty-fifth session)."""
+    steady = not (clock.drop_switch_samples and (before_switch or sample.after_switch))
+    if steady:
+        adaptive.observe_loop(sample.rows, sample.k, sample.step * MS, sample.context)
+    seconds = LOOP_RUN * sample.step * MS
+    adaptive.observe_run(sample.rows, sample.k, sample.emitted, seconds, sample.ended or not steady)
 
 
 def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
@@ -954,6 +1015,19 @@ def main() -> int:
         "off tier alike, as the engine runs n-gram drafting's",
     )
     parser.add_argument(
+        "--switch-walls",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="at a switch of looped tier, the step settling the old tier's last run also waits F of the "
+        "new tier's first run, and the next step's wall lacks it (the H200's mixed batch 64: ~0.6)",
+    )
+    parser.add_argument(
+        "--drop-switch-samples",
+        action="store_true",
+        help="the runs either side of a switch of looped tier price nothing (a candidate engine rule)",
+    )
+    parser.add_argument(
         "--setting",
         action="append",
         default=[],
@@ -982,6 +1056,8 @@ def main() -> int:
         args.per_verify,
         args.no_shadows,
         args.off_loop,
+        args.switch_walls,
+        args.drop_switch_samples,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     chip = (
