@@ -45,7 +45,10 @@ A resumed loop run is observed one step late, as the engine reads it once the ne
 (`LoopSample`, `observe_sample`; thirty-fifth session: MT-Bench 0.98 / 1.00 / 1.01, mixed 0.97 /
 0.98 / 1.00 at seed 0). `--switch-walls F` models the H200's walls at a switch of looped tier (the
 step settling the old tier's last run also waits F of the new tier's first, the next step's wall
-lacks it), `--drop-switch-samples` a candidate engine rule that prices nothing from those two runs.
+lacks it); `--setting switch_runs_priced=false`, the engine's opt-in that prices nothing from those
+two runs. `--context-gap REF` prices a loop step beyond its profile as the H200's traces show it,
+per request and whatever the chain (`GAP_FIXED_MS`, `CONTEXT_MS`), its rows taken as measured over
+contexts of REF tokens.
 The engine's pipeline is modelled (`run`): an overlapped plain step's wall is the wait for the step
 before (a prefill's, after the run's first step), and a speculative step after plain steps settles
 the one in flight and pays `--transition` of its step more; an engine's first verify of a shape
@@ -232,6 +235,11 @@ LOOP_PROFILE = {
     64: {1: 1.50, 2: 1.52, 4: 1.60, 8: 1.66},
 }
 CONTEXT_MS = 8e-6
+# `--context-gap`: a loop iteration's cost beyond its profile per request, a fixed part and one per
+# context token (`CONTEXT_MS`), whatever the chain (the H200's traces, thirty-fifth session: plain, the
+# 1- and 2-chain within 10% at batch 64 over contexts of 350-570, plain's gap 0.31 ms at ~350 and
+# 0.40 at ~550 tokens)
+GAP_FIXED_MS = 0.0023
 LOOP_PLAIN = {1: 0.72, 4: 0.85, 16: 1.08, 64: 1.75}
 LOOP_RUN = 8  # verifies a loop run queues (`device_loop.DEVICE_STEPS`)
 SYNC_HOST_MS = 0.3  # a synchronous speculative step's host work beyond the loop step (a probe)
@@ -453,14 +461,15 @@ class Clock:
         no_shadows: bool = False,
         off_loop: bool = False,
         switch_walls: float = 0.0,
-        drop_switch_samples: bool = False,
+        context_gap: float | None = None,
     ) -> None:
+        # `--context-gap REF`: the loop's rows measured over contexts of REF tokens, its cost beyond
+        # the profile per request (`GAP_FIXED_MS`, `CONTEXT_MS`) at the requests' own contexts
+        self.context_gap = context_gap
         # `--switch-walls F`: at a switch of looped tier the step settling the old tier's last run
         # waits for F of the new tier's first run too, and the next step's wall lacks it (the H200,
         # mixed prompts, batch 64, 2-chain to plain: 18.8 and 7.7 ms where runs took ~11.5: F ~0.6)
         self.switch_walls = switch_walls
-        # `--drop-switch-samples`: those two runs price nothing (the thirty-fifth session's candidate)
-        self.drop_switch_samples = drop_switch_samples
         self.no_shadows = no_shadows  # `--no-shadows`: the policy learns nothing while off but from probes
         # `--replay`: per request, the match lengths of real answers (`replay_matches`)
         self.replay = replay
@@ -510,6 +519,14 @@ class Clock:
             if chain
             else self.plain_ms(batch)
         )
+        if self.context_gap is not None:  # `base` measured over contexts of `context_gap` tokens
+
+            def gap(tokens: float) -> float:
+                return batch * (GAP_FIXED_MS + CONTEXT_MS * tokens)
+
+            if profiled:
+                return max(base - gap(self.context_gap), 0.5 * base)
+            return base + gap(context) - gap(self.context_gap)
         if profiled:
             return base
         context = context if self.flat_context is None else self.flat_context
@@ -679,7 +696,7 @@ def run(
             if pending is not None:
                 extra = clock.switch_walls * ms / LOOP_RUN if switched and sample is not None else 0.0
                 pending[1].step += extra
-                observe_sample(adaptive, clock, pending[1], switched)
+                observe_sample(adaptive, pending[1], switched)
             pending = None
             if sample is not None:
                 if switched:
@@ -705,7 +722,7 @@ def run(
             continue
         looped = None
         if pending is not None:
-            observe_sample(adaptive, clock, pending[1], False)
+            observe_sample(adaptive, pending[1], False)
             pending = None
         if settings.num_steps == 0:
             ms = max(inflight, LAUNCH_MS)  # launched, then the wait for the step in flight
@@ -756,7 +773,7 @@ def run(
             adaptive.forget(req.request_id)
         reqs = [r for r in reqs if r.left > 0]
     if pending is not None:
-        observe_sample(adaptive, clock, pending[1], False)
+        observe_sample(adaptive, pending[1], False)
     seconds += inflight * MS  # the last step: it settles the plain step still in flight
     if static is None and hasattr(adaptive, "idle"):
         adaptive.idle()
@@ -868,17 +885,13 @@ class LoopSample:
     after_switch: bool = False
 
 
-def observe_sample(
-    adaptive: AdaptiveSpeculation, clock: Clock, sample: LoopSample, before_switch: bool
-) -> None:
-    """`sample` into the cost tables and corrections, as `Engine._observe_loop` does; with
-    `--drop-switch-samples`, a run next to a switch only drains its chain outcomes (the candidate of
-    the thirty-fifth session)."""
-    steady = not (clock.drop_switch_samples and (before_switch or sample.after_switch))
-    if steady:
-        adaptive.observe_loop(sample.rows, sample.k, sample.step * MS, sample.context)
+def observe_sample(adaptive: AdaptiveSpeculation, sample: LoopSample, before_switch: bool) -> None:
+    """`sample` into the cost tables and corrections, as `Engine._observe_loop` does (a run next to a
+    switch of chain length not steady unless `switch_runs_priced`)."""
+    steady = adaptive.switch_runs_priced or not (before_switch or sample.after_switch)
+    adaptive.observe_loop(sample.rows, sample.k, sample.step * MS, sample.context, steady=steady)
     seconds = LOOP_RUN * sample.step * MS
-    adaptive.observe_run(sample.rows, sample.k, sample.emitted, seconds, sample.ended or not steady)
+    adaptive.observe_run(sample.rows, sample.k, sample.emitted, seconds, sample.ended, steady)
 
 
 def new_adaptive(clock: Clock) -> AdaptiveSpeculation:
@@ -985,6 +998,14 @@ def main() -> int:
         "with the context (the H200's loop iterations on MT-Bench, batch 16 and 64: flat from 150 to 330)",
     )
     parser.add_argument(
+        "--context-gap",
+        type=float,
+        metavar="REF",
+        help="with --run h200: its loop rows taken as measured over contexts of REF tokens; a loop step's "
+        "cost beyond its profile per request, a fixed part and one per context token, whatever the chain "
+        "(the H200's traces on mixed prompts at batch 64); the profile is the rows less that at REF",
+    )
+    parser.add_argument(
         "--replay",
         type=int,
         metavar="PROMPTS",
@@ -1023,11 +1044,6 @@ def main() -> int:
         "new tier's first run, and the next step's wall lacks it (the H200's mixed batch 64: ~0.6)",
     )
     parser.add_argument(
-        "--drop-switch-samples",
-        action="store_true",
-        help="the runs either side of a switch of looped tier price nothing (a candidate engine rule)",
-    )
-    parser.add_argument(
         "--setting",
         action="append",
         default=[],
@@ -1057,7 +1073,7 @@ def main() -> int:
         args.no_shadows,
         args.off_loop,
         args.switch_walls,
-        args.drop_switch_samples,
+        args.context_gap,
     )
     gpu, accept = H100[args.run][args.workload]["tok/s"], ACCEPT[args.workload]
     chip = (

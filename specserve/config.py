@@ -110,6 +110,8 @@ class AdaptiveConfig:
     the tier (`specserve/spec/calibration.py`; None: predictions uncorrected); `drain_strength`: the
     pool's weight in a request's rates where the drain forecasts its end (None: `prior_strength`);
     `drain_thinning`: the drain prices the steps after a request ends at the requests still running;
+    `switch_runs_priced`: the device-loop runs either side of a switch of chain length set prices too
+    (`Engine._observe_loop`);
     `hysteresis` None: `MODEL_HYSTERESIS` with a model drafter, `NGRAM_HYSTERESIS` with n-gram."""
 
     tiers: tuple[tuple[int, int, int], ...] | None = None
@@ -127,6 +129,7 @@ class AdaptiveConfig:
     calibration_fade: float | None = 0.8
     drain_strength: float | None = None
     drain_thinning: bool = False
+    switch_runs_priced: bool = True
 
     def validate(self, spec: SpeculativeConfig) -> None:
         name = "speculative.adaptive"
@@ -159,7 +162,10 @@ class AdaptiveConfig:
         )
         _require(0 <= self.cost_alpha <= 1, f"{name}.cost_alpha", "must be in [0, 1] (0: keep the profile)")
         _require(isinstance(self.profile, bool), f"{name}.profile", "must be true or false")
-        _require(isinstance(self.drain_thinning, bool), f"{name}.drain_thinning", "must be true or false")
+        for field_name in ("drain_thinning", "switch_runs_priced"):
+            _require(
+                isinstance(getattr(self, field_name), bool), f"{name}.{field_name}", "must be true or false"
+            )
         _require(
             _is_count(self.shadow_lookups, 0),
             f"{name}.shadow_lookups",

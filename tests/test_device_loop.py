@@ -558,6 +558,42 @@ def test_a_switch_of_chain_length_goes_on_on_the_device(small_vocab_target, monk
     assert len(fresh) <= 2, f"a fresh run at the start, and once most rows had finished: {runs}"
 
 
+@pytest.mark.parametrize(
+    ("order", "priced", "expected"),
+    [([2, 0], True, {True}), ([2, 0], False, {False}), ([2] * 4 + [0] * 4, False, {True, False})],
+)
+def test_runs_next_to_a_switch_price_their_tier_only_where_set(small_vocab_target, order, priced, expected):
+    """`switch_runs_priced` off, a loop run queued behind another chain length's run, or with one
+    queued behind it, prices nothing (its step's wall is not its own on a GPU): its step is kept
+    among the transitions. On, as every resumed run, it is a steady step of its tier."""
+    spec = {
+        "method": "ngram",
+        "num_steps": 2,
+        "adaptive": {"tiers": ["off", 2], "profile": False, "switch_runs_priced": priced},
+        "device_steps": 4,
+    }
+    llm = _llm(small_vocab_target, spec)
+    adaptive = llm.engine.adaptive
+    assert adaptive.switch_runs_priced is priced
+    cycle_tiers(llm.engine, order)
+    seen: list[bool] = []
+    observe = adaptive.observe_loop
+
+    def spy(batch, depth, seconds, context=1.0, settle=0.0, steady=True):
+        seen.append(steady)
+        observe(batch, depth, seconds, context, settle, steady)
+
+    adaptive.observe_loop = spy
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = _llm(small_vocab_target).generate(_prompts(3, seed=5), params)
+    looped = llm.generate(_prompts(3, seed=5), params)
+    assert [o.token_ids for o in looped] == [o.token_ids for o in plain]
+    assert set(seen) == expected, seen
+    diagnostics = adaptive.diagnostics(3)  # every run went on over the batch's 3 rows
+    assert bool(diagnostics["steady_steps"]) == (True in expected), diagnostics
+    assert bool(diagnostics["transition_steps"]) == (False in expected), diagnostics
+
+
 def test_settings():
     with pytest.raises(ValueError, match="speculative.device_steps"):
         SpeculativeConfig(method="ngram", num_steps=4, topk=2, device_steps=4).validate()

@@ -618,6 +618,7 @@ def test_hysteresis_defaults_by_drafter(method, given, used):
         ({"drain_strength": 0}, "drain_strength"),
         ({"drain_strength": "strong"}, "drain_strength"),
         ({"drain_thinning": "sometimes"}, "drain_thinning"),
+        ({"switch_runs_priced": "maybe"}, "switch_runs_priced"),
         ({"tiers": []}, "tiers"),
         ({"tiers": ["9"]}, "tiers"),  # past the configured num_steps
         ({"tiers": ["2x2x2"]}, "tiers"),  # a tree while topk is 1
@@ -660,3 +661,17 @@ def test_the_drains_settings_reach_the_policy_from_a_spec_string_and_the_serve_c
     plain["adaptive"] = {"profile": False}
     policy = AdaptiveSpeculation(SpeculativeConfig.from_value(plain)).policy
     assert policy.drain_thinning is False and policy.drain_strength is None
+
+
+def test_switch_runs_priced_reaches_the_control_from_a_spec_string_and_the_serve_config():
+    """Opt-in (`false`) as a bench `--spec` gives it and as `serve deploy`'s config does; left out, on."""
+    from specserve.cli_spec_args import parse_spec
+    from specserve.engine.adaptive_control import AdaptiveSpeculation
+    from specserve.serve.config import ServeConfig
+
+    spec = parse_spec("ngram:adaptive-4,switch_runs_priced=false")
+    spec["adaptive"]["profile"] = False
+    assert AdaptiveSpeculation(SpeculativeConfig.from_value(spec)).switch_runs_priced is False
+    assert ServeConfig(device="cpu", speculative=spec).speculative["adaptive"]["switch_runs_priced"] is False
+    plain = {"method": "ngram", "num_steps": 4, "adaptive": {"profile": False}}
+    assert AdaptiveSpeculation(SpeculativeConfig.from_value(plain)).switch_runs_priced is True

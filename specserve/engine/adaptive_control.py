@@ -113,6 +113,8 @@ class AdaptiveSpeculation:
             else GoodputCalibration(config.calibration_fade),
         )
         self.tier = max(self.tiers)  # this step's (a probe's, while the policy is off)
+        # whether the loop runs either side of a switch of chain length set prices (`observe_loop`)
+        self.switch_runs_priced = config.switch_runs_priced
         # the last speculative tier decided: a step of prefills alone runs it (`decide`)
         self._last_speculative: Tier = max(self.tiers)
         # Chain lengths the engine runs in a device loop: their prices come from loop steps only
@@ -311,17 +313,29 @@ class AdaptiveSpeculation:
                 self.policy.observe_chain_outcomes(batch, {Tier.chain(d): o for d, o in outcomes.items()})
 
     def observe_loop(
-        self, batch: int, depth: int, seconds: float, context: float = 1.0, settle: float = 0.0
+        self,
+        batch: int,
+        depth: int,
+        seconds: float,
+        context: float = 1.0,
+        settle: float = 0.0,
+        steady: bool = True,
     ) -> None:
         """What a device-loop step of chains `depth` long over `batch` requests took, read from a
         run the device ran back to back over contexts of `context` tokens on average
         (`context_tokens`: where the profile's contexts are empty, what it costs beyond the profile
         grows with the context as its steps show, `StepCosts.observe`'s `rows`); kept for `diagnostics` as a
         steady step of its tier. `settle`: the host's seconds appending the run before, which the
-        device spent on this one and a switch leaves it idle for (the policy's switch cost)."""
-        self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)
+        device spent on this one and a switch leaves it idle for (the policy's switch cost).
+        Not `steady` (a switch of chain length just before or after the run where
+        `switch_runs_priced` is off, `Engine._observe_loop`): the settle alone, and the step among
+        the transitions."""
         self.policy.observe_switch_cost(batch, settle)
         name = Tier.chain(depth).name
+        if not steady:
+            self._transition_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
+            return
+        self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 
     def observe_setup(self, batch: int, seconds: float) -> None:
@@ -329,18 +343,27 @@ class AdaptiveSpeculation:
         switch of tier exposes beside the settle)."""
         self.policy.observe_setup_cost(batch, seconds)
 
-    def observe_run(self, batch: int, depth: int, tokens: int, seconds: float, ended: bool = False) -> None:
+    def observe_run(
+        self,
+        batch: int,
+        depth: int,
+        tokens: int,
+        seconds: float,
+        ended: bool = False,
+        steady: bool = True,
+    ) -> None:
         """A device-loop run of chains `depth` long over `batch` requests, queued behind the run
         before it, emitted `tokens` in `seconds` (the step that settled it): the measured goodput
         (a loop's steps reach `observe_step` no other way: the metric stood still while loops ran)
         and the corrections: every chain tier's from its verifies up to `COUNTERFACTUAL_BATCH`,
         else its own, unless the run `ended` a request: its tokens stop at the request's end while
-        the prediction counts whole verifies (`observe_step`)."""
+        the prediction counts whole verifies (`observe_step`), or it was not `steady` (its
+        `seconds` are not its own, `observe_loop`)."""
         self.policy.observe_step(tokens, seconds)
         self._settle_outcomes(batch)
         tier = Tier.chain(depth)
         predicted = self._predicted.get(tier)
-        if predicted and not ended and not self._on_verifies(batch):
+        if predicted and steady and not ended and not self._on_verifies(batch):
             self.policy.observe_outcome(tier, batch, tokens, seconds, predicted)
 
     def observe_step(self, items: Sequence[ScheduledItem], stats: StepStats, ended: bool = False) -> None:

@@ -143,6 +143,7 @@ class Engine:
             )
         self._loop_flight: LoopFlight | None = None
         self._loop_settled: LoopFlight | None = None  # the run this step read, for the policy
+        self._loop_before: DeviceLoop | None = None  # the loop of the run read before it
         # chain length -> tokens a step of its loop gives an active request, lately (plain: 1)
         self._loop_rates: dict[int, float] = {}
         self._overlap = config.use_overlap() and self.drafter is None
@@ -719,16 +720,28 @@ class Engine:
     def _observe_loop(self, stats: StepStats) -> None:
         """A step that settled a run queued behind the one before it lasted as long as the device
         took for that run (the host appended the one before meanwhile): its steps' price, steady,
-        for the adaptive policy. The next step follows no step of its own shape."""
+        for the adaptive policy; with `switch_runs_priced` off, not where a switch of chain length
+        came just before or after the run. There the steps' walls do not split by run: on the H200
+        (mixed prompts, batch 64, `scripts/trace_steps.py` TRACE_STEP_MS) the step settling the
+        2-chain's last run before a switch to plain decoding waited 16-20 ms on the device and the
+        next one 5-6 (runs of ~11.5 ms either side). Opt-in until the GPU settles it
+        (docs/benchmarks.md, thirty-fifth session). The next step follows no step of its own shape."""
         flight, self._loop_settled = self._loop_settled, None
         seconds = stats.phases.get("step")
+        before = self._loop_before
+        if flight is not None:
+            self._loop_before = flight.loop
         if flight is not None and flight.resumed and seconds:
             batch, depth = len(flight.reqs), flight.loop.num_steps
             context = context_tokens(flight.reqs)
             settle = stats.phases.get("postprocess", 0.0)
-            self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context, settle)
+            after = self._loop_flight
+            steady = self.adaptive.switch_runs_priced or (
+                before is flight.loop and (after is None or after.loop is flight.loop)
+            )
+            self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context, settle, steady)
             ended = any(req.finished for _, req in flight.live())
-            self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds, ended)
+            self.adaptive.observe_run(batch, depth, stats.generation_tokens, seconds, ended, steady)
         self.adaptive.idle()
 
     def _loop_append(

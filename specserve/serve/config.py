@@ -201,6 +201,12 @@ class AdaptiveSettings(BaseModel):
         description="In that forecast, price the steps after a request ends at the requests still "
         "running (a device loop's later runs are narrower), not at the whole batch's step.",
     )
+    switch_runs_priced: bool = Field(
+        _adaptive_default("switch_runs_priced"),
+        description="Let the device-loop runs just before and just after a switch of chain length set "
+        "their tier's price (false: they price nothing; on a GPU the two steps' walls do not split by "
+        "run there, one over and one under what a run costs).",
+    )
 
 
 def _check_speculative_adaptive(value: dict[str, Any] | str | None) -> None:
