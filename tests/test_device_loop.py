@@ -594,6 +594,36 @@ def test_runs_next_to_a_switch_price_their_tier_only_where_set(small_vocab_targe
     assert bool(diagnostics["transition_steps"]) == (False in expected), diagnostics
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_loop_steps_target_is_its_wait_for_the_device_alone(small_vocab_target, monkeypatch, kind):
+    """A loop step launches the next run before it reads the one in flight: the launch (and the
+    host work meanwhile) is the step's, not its `target` phase, which is the wait for the device
+    (a switch of chain length once looked like 16-20 ms of waiting, launch and decision included).
+    On a clock that moves only while a run is launched, every loop step's `target` stays 0."""
+    from types import SimpleNamespace
+
+    from specserve.engine import stats as stats_module
+
+    clock = [0.0]
+    monkeypatch.setattr(stats_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    launch = Engine._loop_launch
+
+    def slow_launch(self, flight):
+        new = launch(self, flight)
+        clock[0] += 100.0  # the host's launch: a hundred clock seconds
+        return new
+
+    monkeypatch.setattr(Engine, "_loop_launch", slow_launch)
+    llm = _looped(small_vocab_target, kind)
+    phases: list[dict[str, float]] = []
+    llm.engine.attach_stats_sink(SimpleNamespace(record_step=lambda stats: phases.append(dict(stats.phases))))
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(2, seed=3), params)
+    settled = [p for p in phases if "postprocess" in p and p.get("step", 0.0) >= 100.0]
+    assert settled, phases  # loop steps that launched a run and read one
+    assert all(p.get("target", 0.0) == 0.0 for p in settled), settled
+
+
 def test_settings():
     with pytest.raises(ValueError, match="speculative.device_steps"):
         SpeculativeConfig(method="ngram", num_steps=4, topk=2, device_steps=4).validate()

@@ -607,6 +607,8 @@ class Engine:
                 self.adaptive.observe_setup(len(self._loop_flight.reqs), time.perf_counter() - start)
             return settled
         self._while_device_works()
+        # the launch and the host work meanwhile: the step's, not its wait for the device (`target`)
+        self._stats.lap(None)
         return self._loop_settle(flight, chained=self._loop_flight is not None)
 
     def _settle_for_loop(self) -> list[RequestOutput]:
@@ -723,9 +725,11 @@ class Engine:
         for the adaptive policy; with `switch_runs_priced` off, not where a switch of chain length
         came just before or after the run. There the steps' walls do not split by run: on the H200
         (mixed prompts, batch 64, `scripts/trace_steps.py` TRACE_STEP_MS) the step settling the
-        2-chain's last run before a switch to plain decoding waited 16-20 ms on the device and the
-        next one 5-6 (runs of ~11.5 ms either side). Opt-in until the GPU settles it
-        (docs/benchmarks.md, thirty-fifth session). The next step follows no step of its own shape."""
+        2-chain's last run before a switch to plain decoding took 18.8-23.4 ms (16-20 of them from
+        the decision to the run's records: the next run's launch and the wait for the device, told
+        apart since) and the next one 6.4-7.7 (runs of ~11.5 ms either side). Opt-in until the GPU
+        settles it (docs/benchmarks.md, thirty-fifth session). The next step follows no step of its
+        own shape."""
         flight, self._loop_settled = self._loop_settled, None
         seconds = stats.phases.get("step")
         before = self._loop_before
