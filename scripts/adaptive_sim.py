@@ -888,7 +888,7 @@ class LoopSample:
 def observe_sample(adaptive: AdaptiveSpeculation, sample: LoopSample, before_switch: bool) -> None:
     """`sample` into the cost tables and corrections, as `Engine._observe_loop` does (a run next to a
     switch of chain length not steady unless `switch_runs_priced`)."""
-    steady = adaptive.switch_runs_priced or not (before_switch or sample.after_switch)
+    steady = adaptive.steady_run(sample.after_switch, before_switch)
     adaptive.observe_loop(sample.rows, sample.k, sample.step * MS, sample.context, steady=steady)
     seconds = LOOP_RUN * sample.step * MS
     adaptive.observe_run(sample.rows, sample.k, sample.emitted, seconds, sample.ended, steady)

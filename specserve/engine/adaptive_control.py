@@ -338,6 +338,11 @@ class AdaptiveSpeculation:
         self.costs.observe(VERIFY, batch, depth + 1, seconds, rows=True, context=context)
         self._steady_ms.setdefault((name, batch), deque(maxlen=DIAGNOSTIC_STEPS)).append(seconds)
 
+    def steady_run(self, switched_before: bool, switched_after: bool) -> bool:
+        """Whether a resumed loop run prices its tier (`observe_loop`'s `steady`): always where
+        `switch_runs_priced`, else unless a switch of chain length came just before or after it."""
+        return self.switch_runs_priced or not (switched_before or switched_after)
+
     def observe_setup(self, batch: int, seconds: float) -> None:
         """The host took `seconds` to set up a fresh device-loop run over `batch` requests (what a
         switch of tier exposes beside the settle)."""

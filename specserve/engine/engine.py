@@ -740,8 +740,8 @@ class Engine:
             context = context_tokens(flight.reqs)
             settle = stats.phases.get("postprocess", 0.0)
             after = self._loop_flight
-            steady = self.adaptive.switch_runs_priced or (
-                before is flight.loop and (after is None or after.loop is flight.loop)
+            steady = self.adaptive.steady_run(
+                before is not flight.loop, after is not None and after.loop is not flight.loop
             )
             self.adaptive.observe_loop(batch, depth, seconds / flight.steps, context, settle, steady)
             ended = any(req.finished for _, req in flight.live())
